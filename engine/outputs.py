@@ -1,0 +1,82 @@
+"""What the engine hands back to its callers after each step: plain, picklable dataclasses.
+
+Text and token lists are cumulative (everything generated so far); the async layer turns them
+into deltas for streaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float  # the model's log-probability of this token (raw logits, before sampling settings)
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob, the sampled token first, then the top
+# alternatives by rank. None when the request asked for no logprobs.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # which of the request's n choices this is
+    text: str  # all text generated so far (stop string removed unless asked to keep it)
+    token_ids: list[int]  # all tokens generated so far
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # None while running; "stop", "length" or "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: "RequestMetrics | None" = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (time.monotonic()) and sizes of one request, for latency metrics."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
