@@ -1,0 +1,179 @@
+"""Engine settings: one flat `EngineArgs` (what a user or CLI gives) turned into a few frozen,
+validated config dataclasses. Values derived at start-up (the number of KV blocks) live on the
+runtime objects, never in these configs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+
+import torch
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from an int or a string such as '2GiB', '512MB', '1.5G'."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"cannot parse a memory size from {value!r}; use e.g. 2GiB or 512MB")
+    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    base = 1024 if binary or unit else 1
+    power = " KMGT".index(unit) if unit else 0
+    return int(number * base**power)
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str  # resolved local HF-style directory (config.json, *.safetensors, tokenizer)
+    hf_config: object  # transformers PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str  # "auto" | "dummy"
+    served_model_name: str
+    seed: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    kv_cache_memory: int | None  # bytes for the device pool on CPU serving
+    gpu_memory_utilization: float  # fraction of GPU memory on CUDA
+    swap_space: int  # bytes of CPU swap pool
+    enable_prefix_caching: bool
+    kv_allocation: str  # "paged" (on demand) | "reserve" (max_model_len per sequence, baseline)
+    num_gpu_blocks_override: int | None = None  # tests force a small pool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    preemption_mode: str  # "swap" (falls back to recompute) | "recompute"
+    max_preemptions_per_request: int  # starvation bound: past it a request is not preempted again
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: torch.device
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user may set, flat, in vLLM's spelling where the meaning matches."""
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | str | None = "1GiB"
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 1.0  # GiB
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    kv_allocation: str = "paged"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    preemption_mode: str = "swap"
+    max_preemptions_per_request: int = 8
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def create_engine_config(self) -> EngineConfig:
+        from engine.models.loader import load_hf_config, resolve_model
+
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        if self.kv_allocation not in ("paged", "reserve"):
+            raise ValueError(f"kv_allocation must be 'paged' or 'reserve', got {self.kv_allocation!r}")
+        if self.preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
+
+        if self.device == "auto":
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            device = torch.device(self.device)
+        if self.dtype == "auto":
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        elif self.dtype in _DTYPES:
+            dtype = _DTYPES[self.dtype]
+        else:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+
+        path, default_name = resolve_model(self.model, self.load_format)
+        hf_config = load_hf_config(path)
+        model_max = getattr(hf_config, "max_position_embeddings", 2048)
+        max_model_len = self.max_model_len or model_max
+        if max_model_len > model_max:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's maximum {model_max}")
+        max_batched = self.max_num_batched_tokens or max(max_model_len, 2048)
+        if max_batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) must be at least max_model_len ({max_model_len}), "
+                "since a prompt is prefilled in one step"
+            )
+        model = ModelConfig(
+            path=path,
+            hf_config=hf_config,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            load_format=self.load_format,
+            served_model_name=self.served_model_name or default_name,
+            seed=self.seed,
+        )
+        cache = CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory=parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            swap_space=int(self.swap_space * 1024**3),
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_allocation=self.kv_allocation,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
+            preemption_mode=self.preemption_mode,
+            max_preemptions_per_request=self.max_preemptions_per_request,
+        )
+        return EngineConfig(model, cache, scheduler, device, self.tensor_parallel_size)
