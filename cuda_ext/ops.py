@@ -1,0 +1,161 @@
+"""The PagedAttention op set: the only module that touches ``torch.ops.paged_serve``.
+
+Backend choice, made once per process on first use and logged:
+
+* ``compiled`` kernels (``"cpu"``, or ``"cuda"`` where torch has CUDA and nvcc exists), built by
+  :mod:`cuda_ext.build`; calls on CPU tensors run the C++ kernels, calls on CUDA tensors the
+  CUDA kernels;
+* ``reference`` (pure torch, :mod:`cuda_ext.reference`) when the build fails (with a warning) or
+  when ``PAGED_SERVE_OPS=reference`` forces it. ``PAGED_SERVE_OPS=compiled`` makes a failed
+  build an error instead of a fallback.
+
+Shapes: caches ``[num_blocks, num_kv_heads, block_size, head_size]``; per-token K/V
+``[num_tokens, num_kv_heads, head_size]``; queries ``[num_seqs, num_heads, head_size]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from cuda_ext import reference
+from cuda_ext.reference import gather_cached_kv
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "backend",
+    "copy_blocks",
+    "gather_cached_kv",
+    "paged_attention",
+    "reshape_and_cache",
+    "swap_blocks",
+]
+
+# Head sizes the CUDA attention kernel is instantiated for; others run the reference on CUDA.
+# The CPU kernel takes any head size.
+CUDA_HEAD_SIZES = (64, 128)
+
+
+@functools.cache
+def backend() -> str:
+    """``"cuda"`` or ``"cpu"`` (which compiled library is loaded), or ``"reference"``."""
+    mode = os.environ.get("PAGED_SERVE_OPS", "auto").lower()
+    if mode not in ("auto", "compiled", "reference"):
+        raise ValueError(f"PAGED_SERVE_OPS must be auto, compiled or reference, not {mode!r}")
+    if mode == "reference":
+        logger.info("paged_serve ops: pure-torch reference (forced by PAGED_SERVE_OPS)")
+        return "reference"
+    from cuda_ext import build
+
+    kind = "cuda" if torch.cuda.is_available() and _nvcc_available() else "cpu"
+    try:
+        build_dir = build.load(kind)
+    except Exception as exc:  # noqa: BLE001 - any build or load failure means: fall back
+        if mode == "compiled":
+            raise
+        logger.warning(
+            "paged_serve ops: could not build the compiled %s ops (%s: %s); using the slow "
+            "pure-torch reference", kind.upper(), type(exc).__name__, str(exc)[-2000:],
+        )
+        return "reference"
+    logger.info("paged_serve ops: compiled %s kernels loaded from %s", kind.upper(), build_dir)
+    return kind
+
+
+def _nvcc_available() -> bool:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return CUDA_HOME is not None and (
+        shutil.which("nvcc") is not None or os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc"))
+    )
+
+
+def _compiled_for(t: Tensor) -> bool:
+    """Whether a call on tensors living where ``t`` lives runs a compiled kernel."""
+    b = backend()
+    return b == "cuda" or (b == "cpu" and t.device.type == "cpu")
+
+
+def reshape_and_cache(
+    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Write the new tokens' K/V into their cache slots, in place.
+
+    ``slot_mapping[i] = block_id * block_size + offset`` for token ``i`` (int64); a negative
+    slot skips the token (padding).
+    """
+    if _compiled_for(key_cache):
+        torch.ops.paged_serve.reshape_and_cache(
+            key, value, key_cache, value_cache, slot_mapping.to(torch.int64)
+        )
+    else:
+        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    out: Tensor,
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    max_context_len: int,
+) -> None:
+    """Decode attention through the block tables, one query token per sequence; writes ``out``.
+
+    ``block_tables``: ``[num_seqs, max_blocks_per_seq]`` int32; ``context_lens``: ``[num_seqs]``
+    int32, counting the cached tokens including the current one. ``max_context_len`` (a host
+    int, the max of ``context_lens``) sizes the CUDA kernel's partitions. GQA: query head ``h``
+    reads KV head ``h // (num_heads // num_kv_heads)``. fp32/fp16/bf16, fp32 accumulation.
+    """
+    compiled = _compiled_for(query) and (
+        query.device.type == "cpu" or query.shape[-1] in CUDA_HEAD_SIZES
+    )
+    if compiled:
+        torch.ops.paged_serve.paged_attention(
+            out, query, key_cache, value_cache,
+            block_tables.to(torch.int32), context_lens.to(torch.int32),
+            float(scale), int(max_context_len),
+        )
+    else:
+        reference.paged_attention(
+            out, query, key_cache, value_cache, block_tables, context_lens, scale,
+            max_context_len,
+        )
+
+
+def copy_blocks(
+    key_caches: Sequence[Tensor], value_caches: Sequence[Tensor], block_mapping: Tensor
+) -> None:
+    """Copy-on-write: for every layer, copy block ``src`` to ``dst`` for each ``(src, dst)`` row
+    of ``block_mapping`` (``[num_pairs, 2]`` int64), in place, in one call."""
+    if block_mapping.numel() == 0 or not key_caches:
+        return
+    if _compiled_for(key_caches[0]):
+        torch.ops.paged_serve.copy_blocks(
+            list(key_caches), list(value_caches), block_mapping.to(torch.int64)
+        )
+    else:
+        reference.copy_blocks(key_caches, value_caches, block_mapping)
+
+
+def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
+    """Copy block ``s`` of ``src`` to block ``d`` of ``dst`` for each ``(s, d)`` row of
+    ``block_mapping`` (``[num_pairs, 2]`` int64 on the CPU). ``src``/``dst`` are block-major and
+    may live on different devices (GPU <-> CPU swap); device copies are asynchronous on the
+    current stream."""
+    if block_mapping.numel() == 0:
+        return
+    mapping = block_mapping.to("cpu", torch.int64)
+    if _compiled_for(src) and _compiled_for(dst):
+        torch.ops.paged_serve.swap_blocks(src, dst, mapping)
+    else:
+        reference.swap_blocks(src, dst, mapping)
