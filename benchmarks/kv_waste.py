@@ -1,0 +1,218 @@
+"""How much KV-cache memory does contiguous reservation waste, and how much does paging?
+
+Part (a), `simulate` (the default subcommand): the seed article's back-of-envelope, seeded.
+1,000 sequences with skewed lengths (benchmarks/workload.py) against two ways of holding their
+KV cache:
+  - reserve: every sequence gets a contiguous region for the maximum length (4,096 tokens);
+  - paged:   every sequence gets ceil(len / 16) blocks of 16 tokens, so only its tail block
+             can be partly empty.
+Waste is 1 - (token slots used / token slots held); "concurrency gain" is held(reserve) /
+held(paged): how many times more sequences fit in the same memory when paging.
+
+    python -m benchmarks.kv_waste simulate --seeds 20 --json out.json --plot out.png
+
+Part (b), `engine`: the same question on the real engine (`--kv-allocation reserve|paged`),
+measured under one workload and one KV memory budget. It needs the engine's `kv_allocation`
+option, which does not exist yet; the subcommand says so and exits rather than print numbers
+it did not measure. `measure_engine` below is where that measurement goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python benchmarks/kv_waste.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.workload import sample_lengths
+
+NUM_SEQUENCES = 1000
+MAX_LEN = 4096
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """One simulated run. Token counts are totals over all sequences."""
+
+    seed: int
+    num_sequences: int
+    used_tokens: int  # tokens the sequences actually hold
+    reserved_tokens: int  # slots held by contiguous max-length reservation
+    paged_tokens: int  # slots held by block paging (whole blocks)
+    reserve_waste: float  # 1 - used / reserved
+    paged_waste: float  # 1 - used / paged
+    concurrency_gain: float  # reserved / paged: times more sequences in the same memory
+
+
+def simulate(seed: int, num_sequences: int = NUM_SEQUENCES, max_len: int = MAX_LEN,
+             block_size: int = BLOCK_SIZE) -> SimResult:
+    """Simulate one set of sequences; the same arguments always give the same result."""
+    lengths = sample_lengths(num_sequences, random.Random(seed), max_len)
+    used = sum(lengths)
+    reserved = num_sequences * max_len
+    paged = sum(math.ceil(n / block_size) * block_size for n in lengths)
+    return SimResult(seed=seed, num_sequences=num_sequences, used_tokens=used,
+                     reserved_tokens=reserved, paged_tokens=paged,
+                     reserve_waste=1 - used / reserved, paged_waste=1 - used / paged,
+                     concurrency_gain=reserved / paged)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Mean, sample standard deviation, min and max of `values`."""
+    return {"mean": statistics.fmean(values),
+            "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values)}
+
+
+def simulate_many(seeds: list[int], **kwargs) -> dict:
+    """Run `simulate` for every seed; return the runs and the spread of each measure."""
+    runs = [simulate(s, **kwargs) for s in seeds]
+    summary = {key: spread([getattr(r, key) for r in runs])
+               for key in ("reserve_waste", "paged_waste", "concurrency_gain")}
+    return {"runs": [asdict(r) for r in runs], "summary": summary}
+
+
+def format_table(report: dict) -> str:
+    s = report["summary"]
+    params = report["params"]
+    lines = [
+        f"KV waste: {params['num_sequences']} sequences, max length {params['max_len']}, "
+        f"blocks of {params['block_size']}, seeds {params['seeds'][0]}..{params['seeds'][-1]} "
+        f"({len(params['seeds'])} runs)",
+        f"{'measure':<28}{'mean':>10}{'std':>10}{'min':>10}{'max':>10}",
+    ]
+    for key, label, pct in (("reserve_waste", "reserve (contiguous) waste", True),
+                            ("paged_waste", "paged (tail block) waste", True),
+                            ("concurrency_gain", "sequences fit, paged/reserve", False)):
+        v = s[key]
+        fmt = (lambda x: f"{100 * x:.2f}%") if pct else (lambda x: f"{x:.2f}x")
+        lines.append(f"{label:<28}" + "".join(f"{fmt(v[k]):>10}" for k in ("mean", "std", "min", "max")))
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str | Path) -> None:
+    """Bar plot: waste (left) and relative concurrency (right), reserve vs paged, +/- 1 std."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = report["summary"]
+    colors = ("#c0504d", "#4f81bd")
+    fig, (ax_waste, ax_conc) = plt.subplots(1, 2, figsize=(9, 4))
+    waste = [100 * s["reserve_waste"]["mean"], 100 * s["paged_waste"]["mean"]]
+    waste_err = [100 * s["reserve_waste"]["std"], 100 * s["paged_waste"]["std"]]
+    bars = ax_waste.bar(["reserve", "paged"], waste, yerr=waste_err, color=colors, capsize=4)
+    ax_waste.bar_label(bars, labels=[f"{w:.1f}%" for w in waste], padding=8)
+    ax_waste.set_ylabel("KV slots held but unused (%)")
+    ax_waste.set_ylim(0, 100)
+    ax_waste.set_title("KV memory waste")
+    gain = s["concurrency_gain"]
+    bars = ax_conc.bar(["reserve", "paged"], [1.0, gain["mean"]], yerr=[0.0, gain["std"]],
+                       color=colors, capsize=4)
+    ax_conc.bar_label(bars, labels=["1.0x", f"{gain['mean']:.1f}x"], padding=8)
+    ax_conc.set_ylim(0, 1.2 * (gain["mean"] + gain["std"]))
+    ax_conc.set_ylabel("sequences that fit (relative to reserve)")
+    ax_conc.set_title("Concurrency in the same memory")
+    p = report["params"]
+    fig.suptitle(f"{p['num_sequences']} skewed sequences, max len {p['max_len']}, "
+                 f"block {p['block_size']}, {len(p['seeds'])} seeds (error bars: 1 std)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Part (b): the real engine
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class EngineWasteResult:
+    """What part (b) reports for one `kv_allocation` mode under one workload and KV budget."""
+
+    kv_allocation: str  # "reserve" or "paged"
+    num_kv_blocks: int  # the same budget for both modes
+    peak_running_seqs: int  # most sequences running at once
+    time_avg_waste: float  # slots reserved but never written / slots reserved, time-averaged
+    request_throughput: float  # requests/s
+    output_throughput: float  # output tokens/s
+    latency_ms: dict[str, dict[str, float]]  # ttft / tpot / e2e -> mean, p50, p90, p99
+
+
+def measure_engine(target, kv_allocation: str, lengths: list[int]) -> EngineWasteResult:
+    """Run `lengths` (total tokens per sequence) through the engine with `kv_allocation`.
+
+    `target` is an engine object (offline, LLMEngine-like) or a server URL started with
+    `--kv-allocation`. The plan, once the engine offers the option (issue 8, part b):
+      - prompts of `len - max_tokens` tokens with `ignore_eos`, so each sequence reaches
+        exactly its length; the same KV block budget for both modes;
+      - each step, read from the block manager (or `/metrics`) the running sequences, the
+        slots held (blocks x block size) and the slots written (tokens in the cache); the
+        time-averaged waste is sum(held - written) / sum(held) over steps weighted by step time;
+      - throughput and latency from serve.py's metrics on the same requests.
+    """
+    raise NotImplementedError(
+        "part (b) needs the engine's kv_allocation option (--kv-allocation reserve|paged); "
+        "see issue 8")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    report = simulate_many(seeds, num_sequences=args.num_sequences, max_len=args.max_len,
+                           block_size=args.block_size)
+    report["params"] = {"num_sequences": args.num_sequences, "max_len": args.max_len,
+                        "block_size": args.block_size, "seeds": seeds}
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    print("kv_waste engine: not available yet. It measures the real engine with "
+          "--kv-allocation reserve|paged, and the engine does not offer a kv_allocation "
+          "option yet (issue 8, part b). No numbers are printed rather than made-up ones.",
+          file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    sim = sub.add_parser("simulate", help="part (a): the seeded simulation (default)")
+    sim.add_argument("--num-sequences", type=int, default=NUM_SEQUENCES)
+    sim.add_argument("--max-len", type=int, default=MAX_LEN)
+    sim.add_argument("--block-size", type=int, default=BLOCK_SIZE)
+    sim.add_argument("--seed", type=int, default=0, help="first seed")
+    sim.add_argument("--seeds", type=int, default=20, help="number of seeds (runs)")
+    sim.add_argument("--json", metavar="PATH", help="write runs and summary as JSON")
+    sim.add_argument("--plot", metavar="PATH", help="write a PNG bar plot")
+    sim.set_defaults(func=cmd_simulate)
+    eng = sub.add_parser("engine", help="part (b): the real engine (needs --kv-allocation)")
+    eng.add_argument("--base-url", help="a paged-serve started with --kv-allocation")
+    eng.set_defaults(func=cmd_engine)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv.insert(0, "simulate")  # simulate is the default subcommand
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
