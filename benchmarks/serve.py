@@ -1,0 +1,398 @@
+"""Load generator for any OpenAI-compatible server: streaming /v1/completions over async httpx.
+
+Prompts are cut from a built-in corpus (or `--dataset FILE`) to lengths drawn from the skewed
+distribution of benchmarks/workload.py, scaled so that prompt + `--max-tokens` fits in
+`--max-model-len`. Lengths are in tokens counted by the server's POST /tokenize when it has
+one, otherwise estimated from words (`--tokens-per-word`). Requests arrive all at once
+(`--request-rate inf`) or as a Poisson process at a given rate, at most `--concurrency` in
+flight. The same prompts are sent at every rate of a sweep (`--request-rates 1,2,4,inf`).
+
+    python -m benchmarks.serve --base-url http://127.0.0.1:8000 --model M \\
+        --num-prompts 200 --max-tokens 128 --ignore-eos --request-rates 1,2,4,inf --json r.json
+
+Metrics (as vLLM's benchmark_serving defines them), over successful requests:
+  TTFT  time from sending a request to its first non-empty text chunk;
+  TPOT  (e2e - TTFT) / (output tokens - 1), per request with more than one output token;
+  ITL   gaps between successive text chunks, pooled over all requests;
+  E2E   time from sending a request to its last chunk.
+Throughputs divide by the wall time from the first send to the last completion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+if __package__ in (None, ""):  # run as a script: python benchmarks/serve.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.workload import TextSource, sample_lengths
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class Prompt:
+    text: str
+    num_tokens: int  # as counted by the server, or estimated from words
+
+
+@dataclass
+class RequestResult:
+    """One request's outcome; times are seconds from time.perf_counter()."""
+
+    ok: bool
+    prompt_tokens: int
+    start: float = 0.0  # when the request was sent
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each non-empty chunk
+    output_tokens: int = 0  # usage.completion_tokens if reported, else number of chunks
+    error: str = ""
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.start
+
+    @property
+    def latency(self) -> float:
+        return self.chunk_times[-1] - self.start
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation, as numpy's default."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize_ms(values_s: list[float]) -> dict[str, float | None]:
+    """Mean and percentiles of durations given in seconds, in milliseconds (None if empty)."""
+    ms = [1000 * v for v in values_s]
+    if not ms:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    return {"mean": statistics.fmean(ms), **{f"p{q}": percentile(ms, q) for q in PERCENTILES}}
+
+
+def compute_metrics(results: list[RequestResult], duration_s: float) -> dict:
+    """Aggregate per-request results of one run that took `duration_s` seconds of wall time.
+
+    A request counts as completed when it succeeded and streamed at least one chunk.
+    """
+    done = [r for r in results if r.ok and r.chunk_times]
+    ttfts = [r.ttft for r in done]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    itls = [b - a for r in done for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.prompt_tokens for r in done)
+    errors = [r.error for r in results if not (r.ok and r.chunk_times)]
+    per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: None)
+    return {
+        "num_requests": len(results),
+        "completed": len(done),
+        "failed": len(errors),
+        "errors": sorted(set(errors))[:5],
+        "duration_s": duration_s,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": per_s(len(done)),
+        "output_throughput": per_s(out_tokens),
+        "total_token_throughput": per_s(in_tokens + out_tokens),
+        "ttft_ms": summarize_ms(ttfts),
+        "tpot_ms": summarize_ms(tpots),
+        "itl_ms": summarize_ms(itls),
+        "e2e_ms": summarize_ms([r.latency for r in done]),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Talking to the server
+# ---------------------------------------------------------------------------------------------
+
+def completion_body(model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True  # a vLLM extension; dropped if the server rejects it
+    return body
+
+
+async def send_request(client: httpx.AsyncClient, base_url: str, model: str, prompt: Prompt,
+                       max_tokens: int, ignore_eos: bool) -> RequestResult:
+    """Send one streaming completion and time its chunks. Failures are results, not raises."""
+    result = RequestResult(ok=False, prompt_tokens=prompt.num_tokens)
+    body = completion_body(model, prompt.text, max_tokens, ignore_eos)
+    result.start = time.perf_counter()
+    usage_tokens = None
+    try:
+        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                result.error = f"HTTP {resp.status_code}: {text[:200]}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, event: lines
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    result.error = f"stream error: {str(chunk['error'])[:200]}"
+                    return result
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    result.chunk_times.append(time.perf_counter())
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"].get("completion_tokens")
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:200]
+        return result
+    result.output_tokens = usage_tokens if usage_tokens is not None else len(result.chunk_times)
+    result.ok = True
+    if not result.chunk_times:
+        result.error = "no output chunks"
+    return result
+
+
+async def warm_up(client: httpx.AsyncClient, base_url: str, model: str, ignore_eos: bool) -> bool:
+    """Send one tiny request; with `ignore_eos`, return whether the server accepted it.
+
+    Raises httpx errors if the server cannot be reached, or rejects even a plain request.
+    """
+    body = {"model": model, "prompt": "Hello", "max_tokens": 1}
+    if ignore_eos:
+        resp = await client.post(f"{base_url}/v1/completions", json={**body, "ignore_eos": True})
+        if resp.status_code == 200:
+            return True
+    resp = await client.post(f"{base_url}/v1/completions", json=body)
+    resp.raise_for_status()
+    return False
+
+
+class TokenCounter:
+    """Counts prompt tokens with the server's POST /tokenize, or estimates them from words."""
+
+    def __init__(self, client: httpx.AsyncClient | None, base_url: str, model: str,
+                 tokens_per_word: float):
+        self.client, self.base_url, self.model = client, base_url, model
+        self.tokens_per_word = tokens_per_word
+        self.uses_server = False
+
+    async def detect(self) -> None:
+        """Use the server's /tokenize if it answers with a count; measure tokens per word."""
+        if self.client is None:
+            return
+        try:
+            sample = TextSource.builtin(seed=12345, num_words=400).text(0, 400)
+            n = await self._server_count(sample)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return
+        self.uses_server = True
+        self.tokens_per_word = n / 400
+
+    async def _server_count(self, text: str) -> int:
+        resp = await self.client.post(f"{self.base_url}/tokenize",
+                                      json={"model": self.model, "prompt": text})
+        resp.raise_for_status()
+        data = resp.json()
+        return int(data["count"]) if "count" in data else len(data["tokens"])
+
+    async def count(self, text: str) -> int:
+        if self.uses_server:
+            return await self._server_count(text)
+        return max(1, round(len(text.split()) * self.tokens_per_word))
+
+    @property
+    def method(self) -> str:
+        if self.uses_server:
+            return "server /tokenize"
+        return f"estimated, {self.tokens_per_word:g} tokens/word"
+
+
+async def build_prompts(lengths: list[int], source: TextSource, counter: TokenCounter,
+                        rng: random.Random, limit: int) -> list[Prompt]:
+    """One prompt per target length, cut from `source` at a random offset.
+
+    The word count comes from the measured tokens-per-word ratio; with a server tokenizer the
+    prompt is re-cut once if it misses its target by more than 5%, then shortened until it
+    has at most `limit` tokens (so prompt + max_tokens fits the context).
+    """
+    offsets = [rng.randrange(len(source.words)) for _ in lengths]
+    sem = asyncio.Semaphore(16)
+
+    async def one(target: int, offset: int) -> Prompt:
+        async with sem:
+            words = max(1, round(target / counter.tokens_per_word))
+            text = source.text(offset, words)
+            n = await counter.count(text)
+            if counter.uses_server and abs(n - target) > 0.05 * target:
+                words = max(1, round(words * target / max(n, 1)))
+                text = source.text(offset, words)
+                n = await counter.count(text)
+            while n > limit and words > 1:
+                words = max(1, min(words - 1, words * limit // n))
+                text = source.text(offset, words)
+                n = await counter.count(text)
+            return Prompt(text, n)
+
+    return list(await asyncio.gather(*(one(t, o) for t, o in zip(lengths, offsets))))
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a benchmark
+# ---------------------------------------------------------------------------------------------
+
+async def run_at_rate(client: httpx.AsyncClient, args: argparse.Namespace, prompts: list[Prompt],
+                      rate: float, ignore_eos: bool) -> dict:
+    """Send every prompt at `rate` requests/s (inf: all at once) and return the metrics."""
+    rng = random.Random(args.seed + 1)  # the same arrival pattern for a rate in every run
+    sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+
+    async def limited(prompt: Prompt) -> RequestResult:
+        if sem is None:
+            return await send_request(client, args.base_url, args.model, prompt,
+                                      args.max_tokens, ignore_eos)
+        async with sem:
+            return await send_request(client, args.base_url, args.model, prompt,
+                                      args.max_tokens, ignore_eos)
+
+    tasks = []
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        if i and math.isfinite(rate):
+            await asyncio.sleep(rng.expovariate(rate))
+        tasks.append(asyncio.create_task(limited(prompt)))
+    results = await asyncio.gather(*tasks)
+    duration = max((r.chunk_times[-1] for r in results if r.chunk_times),
+                   default=time.perf_counter()) - start
+    metrics = compute_metrics(list(results), duration)
+    return {"request_rate": rate if math.isfinite(rate) else "inf", **metrics}
+
+
+async def run_benchmark(args: argparse.Namespace) -> dict:
+    """Build the prompts once, then run every requested rate; returns the JSON report."""
+    args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
+    rates = parse_rates(args.request_rates or str(args.request_rate))
+    prompt_budget = args.max_model_len - args.max_tokens
+    if prompt_budget < 2 or args.num_prompts < 1:
+        raise SystemExit("need --num-prompts >= 1 and --max-model-len >= --max-tokens + 2")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(args.timeout, connect=10.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        counter = TokenCounter(client, args.base_url, args.model, args.tokens_per_word)
+        if not args.no_tokenize:
+            await counter.detect()
+        source = (TextSource.from_file(args.dataset) if args.dataset
+                  else TextSource.builtin(seed=args.seed))
+        rng = random.Random(args.seed)
+        lengths = sample_lengths(args.num_prompts, rng, prompt_budget)
+        prompts = await build_prompts(lengths, source, counter, rng, prompt_budget)
+        ignore_eos = await warm_up(client, args.base_url, args.model, args.ignore_eos)
+        if args.ignore_eos and not ignore_eos:
+            print("note: the server rejected ignore_eos; sending requests without it",
+                  file=sys.stderr)
+        points = [await run_at_rate(client, args, prompts, rate, ignore_eos) for rate in rates]
+    prompt_tokens = [p.num_tokens for p in prompts]
+    return {
+        "label": args.label or f"{args.model} @ {args.base_url}",
+        "base_url": args.base_url,
+        "model": args.model,
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "max_model_len": args.max_model_len,
+        "concurrency": args.concurrency,
+        "seed": args.seed,
+        "dataset": args.dataset or "builtin",
+        "ignore_eos_requested": args.ignore_eos,
+        "ignore_eos_sent": ignore_eos,
+        "token_counting": counter.method,
+        "prompt_tokens": {"mean": statistics.fmean(prompt_tokens), "min": min(prompt_tokens),
+                          "p50": percentile(prompt_tokens, 50), "max": max(prompt_tokens)},
+        "points": points,
+    }
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [float(r) for r in text.split(",") if r.strip()]
+    if not rates or any(r <= 0 for r in rates):
+        raise SystemExit(f"request rates must be positive numbers or inf, got {text!r}")
+    return rates
+
+
+def format_table(report: dict) -> str:
+    cols = (("rate", 6), ("ok", 5), ("req/s", 7), ("out tok/s", 10), ("TTFT p50", 9),
+            ("TTFT p99", 9), ("TPOT p50", 9), ("ITL p50", 8), ("ITL p99", 8), ("E2E p50", 9),
+            ("E2E p99", 9))
+    lines = [f"{report['label']}: {report['num_prompts']} prompts "
+             f"(mean {report['prompt_tokens']['mean']:.0f} tokens, {report['token_counting']}), "
+             f"max_tokens {report['max_tokens']}, ignore_eos {report['ignore_eos_sent']}; "
+             "latencies in ms",
+             "".join(f"{name:>{w}}" for name, w in cols)]
+    def num(x: float | None, digits: int = 1) -> str:
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    for p in report["points"]:
+        row = (str(p["request_rate"]), f"{p['completed']}/{p['num_requests']}",
+               num(p["request_throughput"], 2), num(p["output_throughput"]),
+               num(p["ttft_ms"]["p50"]), num(p["ttft_ms"]["p99"]), num(p["tpot_ms"]["p50"]),
+               num(p["itl_ms"]["p50"]), num(p["itl_ms"]["p99"]), num(p["e2e_ms"]["p50"]),
+               num(p["e2e_ms"]["p99"]))
+        lines.append("".join(f"{v:>{w}}" for v, (_, w) in zip(row, cols)))
+        for err in p["errors"]:
+            lines.append(f"    error: {err}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="server root (a trailing /v1 is ignored)")
+    p.add_argument("--model", required=True, help="model name sent in every request")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="model context: prompt lengths are scaled to it minus --max-tokens")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask for exactly --max-tokens tokens (if the server accepts ignore_eos)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second, Poisson arrivals; inf sends all at once")
+    p.add_argument("--request-rates", help="a sweep, e.g. 1,2,4,inf (overrides --request-rate)")
+    p.add_argument("--concurrency", type=int, default=0, help="max requests in flight (0: no limit)")
+    p.add_argument("--dataset", help="a text file to cut prompts from (default: built-in corpus)")
+    p.add_argument("--tokens-per-word", type=float, default=1.3,
+                   help="estimate used when the server has no /tokenize")
+    p.add_argument("--no-tokenize", action="store_true", help="do not use the server's /tokenize")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    p.add_argument("--label", help="series name in the JSON and in plot_serve.py")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    report = asyncio.run(run_benchmark(args))
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0 if all(p["failed"] == 0 for p in report["points"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
