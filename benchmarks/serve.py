@@ -335,9 +335,9 @@ def parse_rates(text: str) -> list[float]:
 
 
 def format_table(report: dict) -> str:
-    cols = (("rate", 6), ("ok", 5), ("req/s", 7), ("out tok/s", 10), ("TTFT p50", 9),
-            ("TTFT p99", 9), ("TPOT p50", 9), ("ITL p50", 8), ("ITL p99", 8), ("E2E p50", 9),
-            ("E2E p99", 9))
+    cols = (("rate", 6), ("ok", 10), ("req/s", 8), ("out tok/s", 11), ("TTFT p50", 10),
+            ("TTFT p99", 10), ("TPOT p50", 10), ("ITL p50", 9), ("ITL p99", 9), ("E2E p50", 10),
+            ("E2E p99", 10))
     lines = [f"{report['label']}: {report['num_prompts']} prompts "
              f"(mean {report['prompt_tokens']['mean']:.0f} tokens, {report['token_counting']}), "
              f"max_tokens {report['max_tokens']}, ignore_eos {report['ignore_eos_sent']}; "
@@ -347,7 +347,8 @@ def format_table(report: dict) -> str:
         return "-" if x is None else f"{x:.{digits}f}"
 
     for p in report["points"]:
-        row = (str(p["request_rate"]), f"{p['completed']}/{p['num_requests']}",
+        rate = p["request_rate"]
+        row = (rate if rate == "inf" else f"{rate:g}", f"{p['completed']}/{p['num_requests']}",
                num(p["request_throughput"], 2), num(p["output_throughput"]),
                num(p["ttft_ms"]["p50"]), num(p["ttft_ms"]["p99"]), num(p["tpot_ms"]["p50"]),
                num(p["itl_ms"]["p50"]), num(p["itl_ms"]["p99"]), num(p["e2e_ms"]["p50"]),

@@ -69,3 +69,18 @@ def test_unreachable_server_fails_before_the_run(tmp_path):
         pass  # stopped: nothing listens on the port any more
     with pytest.raises(httpx.ConnectError):
         run(url, tmp_path)
+
+
+def test_plot_two_servers(tmp_path):
+    from benchmarks import plot_serve
+
+    paths = []
+    for name, delay in (("fast", 0.001), ("slow", 0.004)):
+        with run_stub(StubState(ttft_s=delay, token_s=delay)) as url:
+            rc, _ = run(url, tmp_path, "--request-rates", "100,inf", "--label", name)
+        assert rc == 0
+        paths.append(str(tmp_path / f"{name}.json"))
+        (tmp_path / "report.json").rename(paths[-1])
+    out = tmp_path / "serve.png"
+    assert plot_serve.main([*paths, "--out", str(out)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG")
