@@ -30,8 +30,8 @@ CUDA_SOURCES = ("cuda/attention.cu", "cuda/cache.cu")
 
 # NOTE: -march=native is safe because the cache key includes this machine's CPU flags, so a
 # cache directory shared between different machines never hands out a foreign binary.
-CPU_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17")
-CUDA_FLAGS = ("-O3", "-lineinfo", "-std=c++17", "-DPAGED_SERVE_WITH_CUDA")
+CPU_FLAGS = ("-O3", "-march=native", "-fopenmp-simd")
+CUDA_FLAGS = ("-O3", "-lineinfo", "-DPAGED_SERVE_WITH_CUDA")
 
 
 def cache_root() -> Path:

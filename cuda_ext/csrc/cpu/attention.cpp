@@ -1,0 +1,189 @@
+// CPU paged attention (decode): one query token per sequence against its cached K/V, read
+// through the sequence's block table.
+//
+// Work split: one task per (sequence, KV head). A task computes all the query heads of its GQA
+// group, so every K/V row is read from memory once and used `group` times. Tasks run in
+// parallel with at::parallel_for; the loops over head_size are written so that the compiler
+// vectorises them (fixed trip count for the instantiated head sizes, `omp simd` reductions).
+
+#include "cpu_ops.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace paged_serve::cpu {
+namespace {
+
+struct AttentionArgs {
+  int num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq;
+  int64_t q_stride_seq, q_stride_head, out_stride_seq, out_stride_head;
+  int64_t cache_stride_block, cache_stride_head, cache_stride_token;
+  float scale;
+};
+
+// Copy `n` elements of a K/V row to fp32 (a no-op view for fp32 caches).
+template <typename T, int N>
+inline const float* row_as_float(const T* src, float* buf, int n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    const int len = N > 0 ? N : n;
+#pragma omp simd
+    for (int i = 0; i < len; ++i) buf[i] = static_cast<float>(src[i]);
+    return buf;
+  }
+}
+
+template <int N>
+inline float dot(const float* a, const float* b, int n) {
+  const int len = N > 0 ? N : n;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int i = 0; i < len; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+template <int N>
+inline void axpy(float alpha, const float* x, float* y, int n) {
+  const int len = N > 0 ? N : n;
+#pragma omp simd
+  for (int i = 0; i < len; ++i) y[i] += alpha * x[i];
+}
+
+// One (sequence, KV head) task. HEAD_SIZE > 0 fixes the head size at compile time; 0 means
+// "read it from args" (the generic instantiation for head sizes we do not specialise).
+template <typename T, int HEAD_SIZE>
+void attend_one(const AttentionArgs& a, int seq, int kv_head, T* out, const T* query,
+                const T* key_cache, const T* value_cache, const int* block_table, int context_len) {
+  const int D = HEAD_SIZE > 0 ? HEAD_SIZE : a.head_size;
+  const int group = a.num_heads / a.num_kv_heads;
+  const int first_head = kv_head * group;
+  auto out_row = [&](int g) { return out + seq * a.out_stride_seq + (first_head + g) * a.out_stride_head; };
+
+  if (context_len == 0) {  // nothing to attend to: define the output as zeros
+    for (int g = 0; g < group; ++g) std::fill(out_row(g), out_row(g) + D, T(0.f));
+    return;
+  }
+
+  std::vector<float> q(group * D), acc(group * D, 0.f), logits(group * context_len), buf(D);
+  for (int g = 0; g < group; ++g) {
+    const T* src = query + seq * a.q_stride_seq + (first_head + g) * a.q_stride_head;
+    for (int i = 0; i < D; ++i) q[g * D + i] = static_cast<float>(src[i]) * a.scale;
+  }
+
+  // Pass 1: logits[g, t] = q_g . k_t, walking the block table.
+  const int num_blocks = (context_len + a.block_size - 1) / a.block_size;
+  for (int b = 0; b < num_blocks; ++b) {
+    const T* k_block = key_cache + block_table[b] * a.cache_stride_block + kv_head * a.cache_stride_head;
+    const int tokens = std::min(a.block_size, context_len - b * a.block_size);
+    for (int off = 0; off < tokens; ++off) {
+      const float* k = row_as_float<T, HEAD_SIZE>(k_block + off * a.cache_stride_token, buf.data(), D);
+      const int t = b * a.block_size + off;
+      for (int g = 0; g < group; ++g) logits[g * context_len + t] = dot<HEAD_SIZE>(&q[g * D], k, D);
+    }
+  }
+
+  // Softmax per query head, in fp32.
+  std::vector<float> inv_sum(group);
+  for (int g = 0; g < group; ++g) {
+    float* l = &logits[g * context_len];
+    float max_logit = -std::numeric_limits<float>::infinity();
+    for (int t = 0; t < context_len; ++t) max_logit = std::max(max_logit, l[t]);
+    float sum = 0.f;
+    for (int t = 0; t < context_len; ++t) {
+      l[t] = std::exp(l[t] - max_logit);
+      sum += l[t];
+    }
+    inv_sum[g] = 1.f / sum;
+  }
+
+  // Pass 2: acc[g] = sum_t p[g, t] * v_t.
+  for (int b = 0; b < num_blocks; ++b) {
+    const T* v_block = value_cache + block_table[b] * a.cache_stride_block + kv_head * a.cache_stride_head;
+    const int tokens = std::min(a.block_size, context_len - b * a.block_size);
+    for (int off = 0; off < tokens; ++off) {
+      const float* v = row_as_float<T, HEAD_SIZE>(v_block + off * a.cache_stride_token, buf.data(), D);
+      const int t = b * a.block_size + off;
+      for (int g = 0; g < group; ++g) axpy<HEAD_SIZE>(logits[g * context_len + t], v, &acc[g * D], D);
+    }
+  }
+
+  for (int g = 0; g < group; ++g) {
+    T* dst = out_row(g);
+    for (int i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[g * D + i] * inv_sum[g]);
+  }
+}
+
+template <typename T, int HEAD_SIZE>
+void paged_attention_impl(const AttentionArgs& a, int num_seqs, T* out, const T* query,
+                          const T* key_cache, const T* value_cache, const int* block_tables,
+                          const int* context_lens) {
+  const int64_t num_tasks = static_cast<int64_t>(num_seqs) * a.num_kv_heads;
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int seq = static_cast<int>(task / a.num_kv_heads);
+      const int kv_head = static_cast<int>(task % a.num_kv_heads);
+      attend_one<T, HEAD_SIZE>(a, seq, kv_head, out, query, key_cache, value_cache,
+                               block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq,
+                               context_lens[seq]);
+    }
+  });
+}
+
+}  // namespace
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& context_lens, double scale, int64_t max_context_len) {
+  (void)max_context_len;  // the CPU kernel sizes its buffers per sequence
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [num_seqs, num_heads, head_size]");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.strides() == value_cache.strides(),
+              "key_cache/value_cache must be [num_blocks, num_kv_heads, block_size, head_size] with equal strides");
+  TORCH_CHECK(query.scalar_type() == out.scalar_type() && query.scalar_type() == key_cache.scalar_type() &&
+                  query.scalar_type() == value_cache.scalar_type(),
+              "query, out and the caches must share one dtype");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1,
+              "the head_size dimension must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block_tables and context_lens must be int32");
+  const int num_kv_heads = static_cast<int>(key_cache.size(1));
+  TORCH_CHECK(query.size(1) % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(key_cache.size(3) == query.size(2), "cache head_size differs from the query's");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) &&
+                  context_lens.numel() == query.size(0),
+              "block_tables must be [num_seqs, max_blocks_per_seq], context_lens [num_seqs]");
+
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = context_lens.contiguous();
+  const AttentionArgs args{
+      static_cast<int>(query.size(1)), num_kv_heads, static_cast<int>(query.size(2)),
+      static_cast<int>(key_cache.size(2)), static_cast<int>(tables.size(1)),
+      query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+      key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), static_cast<float>(scale)};
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention_cpu", [&] {
+    auto run = [&](auto head_size_tag) {
+      constexpr int HS = decltype(head_size_tag)::value;
+      paged_attention_impl<scalar_t, HS>(args, static_cast<int>(query.size(0)), out.data_ptr<scalar_t>(),
+                                         query.const_data_ptr<scalar_t>(), key_cache.const_data_ptr<scalar_t>(),
+                                         value_cache.const_data_ptr<scalar_t>(), tables.const_data_ptr<int>(),
+                                         lens.const_data_ptr<int>());
+    };
+    switch (args.head_size) {
+      case 64: run(std::integral_constant<int, 64>{}); break;
+      case 128: run(std::integral_constant<int, 128>{}); break;
+      default: run(std::integral_constant<int, 0>{}); break;  // generic, any head size
+    }
+  });
+}
+
+}  // namespace paged_serve::cpu

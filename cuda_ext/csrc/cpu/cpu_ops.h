@@ -1,0 +1,21 @@
+// CPU implementations of the paged_serve ops (registered in ../bindings.cpp).
+// Cache layout: [num_blocks, num_kv_heads, block_size, head_size], last dim contiguous.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace paged_serve::cpu {
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                       at::Tensor& value_cache, const at::Tensor& slot_mapping);
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& context_lens, double scale, int64_t max_context_len);
+
+void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
+                 const at::Tensor& block_mapping);
+
+void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
+
+}  // namespace paged_serve::cpu

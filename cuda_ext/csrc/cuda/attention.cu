@@ -1,0 +1,310 @@
+// CUDA paged attention (decode): one query token per sequence against its cached K/V, read
+// through the sequence's block table. Plain CUDA C++, no torch headers (see kernels.h).
+//
+// One thread block computes one (query head, sequence, partition). The context is cut into
+// partitions of kPartitionSize tokens:
+//   * one partition (context <= kPartitionSize): a single pass writes `out` directly;
+//   * more: pass 1 writes each partition's normalised output with its max logit and exp-sum,
+//     pass 2 (paged_attention_reduce_kernel) rescales and sums them (vLLM's "v2" idea). This
+//     keeps long contexts spread over many SMs and shared memory bounded.
+// Inside a block, LANES threads share one K/V row (16 bytes each), so a warp reads whole
+// 128/256-byte rows with vector loads and ROWS rows are in flight at once.
+
+#include "kernels.h"
+
+#include <cfloat>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace paged_serve::cuda {
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr int kNumThreads = 128;
+constexpr int kUnroll = 4;  // K/V rows each thread loads before it computes on them
+
+template <typename T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float(float x) { return x; }
+template <> __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float(float x) { return __float2half(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16(x); }
+
+// Unpack 16 bytes holding 16 / sizeof(T) elements of T into fp32.
+template <typename T> __device__ __forceinline__ void unpack(const uint4& raw, float* f);
+template <> __device__ __forceinline__ void unpack<float>(const uint4& raw, float* f) {
+  f[0] = __uint_as_float(raw.x); f[1] = __uint_as_float(raw.y);
+  f[2] = __uint_as_float(raw.z); f[3] = __uint_as_float(raw.w);
+}
+template <> __device__ __forceinline__ void unpack<__half>(const uint4& raw, float* f) {
+  const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { const float2 p = __half22float2(h[i]); f[2 * i] = p.x; f[2 * i + 1] = p.y; }
+}
+template <> __device__ __forceinline__ void unpack<__nv_bfloat16>(const uint4& raw, float* f) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { const float2 p = __bfloat1622float2(h[i]); f[2 * i] = p.x; f[2 * i + 1] = p.y; }
+}
+
+// Sum over groups of WIDTH consecutive lanes (WIDTH a power of two <= 32); every lane of the
+// warp must call it.
+template <int WIDTH>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int mask = WIDTH / 2; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
+  return v;
+}
+
+struct MaxOp { __device__ float operator()(float a, float b) const { return fmaxf(a, b); } };
+struct SumOp { __device__ float operator()(float a, float b) const { return a + b; } };
+
+// Reduce one value per thread over the whole block; every thread gets the result.
+// scratch: [kNumThreads / kWarpSize] floats of shared memory. Contains __syncthreads().
+template <typename Op>
+__device__ float block_reduce(float v, float* scratch, Op op) {
+#pragma unroll
+  for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, mask));
+  if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = v;
+  __syncthreads();
+  v = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kNumThreads / kWarpSize; ++w) v = op(v, scratch[w]);
+  __syncthreads();  // scratch may be reused right after
+  return v;
+}
+
+// Grid: (num_heads, num_seqs, num_partitions); block: kNumThreads threads.
+template <typename T, int HEAD_SIZE>
+__global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
+    T* __restrict__ out,                  // [num_seqs, num_heads, head_size] (written when 1 partition)
+    const T* __restrict__ query,          // [num_seqs, num_heads, head_size]
+    const T* __restrict__ key_cache,      // [num_blocks, num_kv_heads, block_size, head_size]
+    const T* __restrict__ value_cache,    // [num_blocks, num_kv_heads, block_size, head_size]
+    const int* __restrict__ block_tables, // [num_seqs, max_blocks_per_seq]
+    const int* __restrict__ context_lens, // [num_seqs]
+    float* __restrict__ partial_out,      // [num_seqs, num_heads, num_partitions, head_size]
+    float* __restrict__ partial_max,      // [num_seqs, num_heads, num_partitions]
+    float* __restrict__ partial_sum,      // [num_seqs, num_heads, num_partitions]
+    const AttentionShape shape, const float scale) {
+  constexpr int VEC = 16 / sizeof(T);          // elements per 16-byte load
+  constexpr int LANES = HEAD_SIZE / VEC;       // threads sharing one K/V row
+  constexpr int ROWS = kNumThreads / LANES;    // K/V rows in flight per step
+  static_assert(LANES <= kWarpSize && (LANES & (LANES - 1)) == 0, "row must fit a warp");
+
+  __shared__ float logits[kPartitionSize];
+  __shared__ float scratch[kNumThreads / kWarpSize];
+  __shared__ float row_acc[ROWS][HEAD_SIZE];
+
+  const int head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
+  const int num_partitions = gridDim.z;
+  const int64_t out_offset = seq * shape.out_stride_seq + head * shape.out_stride_head;
+  const int context_len = context_lens[seq];
+  if (context_len == 0) {  // nothing to attend to: zeros (the reduce kernel does it otherwise)
+    if (num_partitions == 1)
+      for (int d = threadIdx.x; d < HEAD_SIZE; d += kNumThreads) out[out_offset + d] = from_float<T>(0.f);
+    return;
+  }
+  const int start = part * kPartitionSize;
+  if (start >= context_len) return;  // this sequence is shorter than the longest one
+  const int n = min(context_len - start, kPartitionSize);
+
+  const int kv_head = head / (shape.num_heads / shape.num_kv_heads);
+  const int lane = threadIdx.x % LANES, row = threadIdx.x / LANES;
+  const int* table = block_tables + static_cast<int64_t>(seq) * shape.max_blocks_per_seq;
+  const int64_t lane_offset = kv_head * shape.cache_stride_head + lane * VEC;
+  // Element offset, in either cache, of this lane's 16 bytes of partition token t.
+  auto row_offset = [&](int t) {
+    const int pos = start + t;
+    return table[pos / shape.block_size] * shape.cache_stride_block +
+           (pos % shape.block_size) * shape.cache_stride_token + lane_offset;
+  };
+
+  float q[VEC];  // this lane's slice of the query, fp32, pre-scaled
+  const T* q_row = query + seq * shape.q_stride_seq + head * shape.q_stride_head + lane * VEC;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) q[i] = to_float(q_row[i]) * scale;
+
+  // Pass 1: logits[t] = q . k_t. The trip count is the same for all threads (shuffles inside).
+  float max_logit = -FLT_MAX;
+  for (int base = 0; base < n; base += ROWS * kUnroll) {
+    uint4 raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int t = base + u * ROWS + row;
+      raw[u] = t < n ? *reinterpret_cast<const uint4*>(key_cache + row_offset(t)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float k[VEC];
+      unpack<T>(raw[u], k);
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) s += q[i] * k[i];
+      s = group_sum<LANES>(s);
+      const int t = base + u * ROWS + row;
+      if (t < n) {
+        max_logit = fmaxf(max_logit, s);
+        if (lane == 0) logits[t] = s;
+      }
+    }
+  }
+  max_logit = block_reduce(max_logit, scratch, MaxOp{});  // also publishes logits[]
+
+  float exp_sum = 0.f;
+  for (int t = threadIdx.x; t < n; t += kNumThreads) {
+    const float e = expf(logits[t] - max_logit);
+    logits[t] = e;
+    exp_sum += e;
+  }
+  exp_sum = block_reduce(exp_sum, scratch, SumOp{});  // also publishes the exponentials
+
+  // Pass 2: acc = sum_t p_t * v_t, each row of threads over its own tokens.
+  float acc[VEC] = {};
+  for (int base = 0; base < n; base += ROWS * kUnroll) {
+    uint4 raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int t = base + u * ROWS + row;
+      raw[u] = t < n ? *reinterpret_cast<const uint4*>(value_cache + row_offset(t)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int t = base + u * ROWS + row;
+      if (t >= n) continue;
+      float v[VEC];
+      unpack<T>(raw[u], v);
+      const float p = logits[t];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += p * v[i];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) row_acc[row][lane * VEC + i] = acc[i];
+  __syncthreads();
+
+  const int64_t partial = (static_cast<int64_t>(seq) * shape.num_heads + head) * num_partitions + part;
+  for (int d = threadIdx.x; d < HEAD_SIZE; d += kNumThreads) {
+    float o = 0.f;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) o += row_acc[r][d];
+    o /= exp_sum;  // normalised within this partition
+    if (num_partitions == 1) {
+      out[out_offset + d] = from_float<T>(o);
+    } else {
+      partial_out[partial * HEAD_SIZE + d] = o;
+    }
+  }
+  if (num_partitions > 1 && threadIdx.x == 0) {
+    partial_max[partial] = max_logit;
+    partial_sum[partial] = exp_sum;
+  }
+}
+
+// Merges the partitions of paged_attention_kernel: out = sum_p w_p * o_p / sum_p w_p with
+// w_p = exp_sum_p * exp(max_p - max), o_p each partition's normalised output.
+// Grid: (num_heads, num_seqs); block: kNumThreads threads; num_partitions floats of dynamic shared memory.
+template <typename T, int HEAD_SIZE>
+__global__ void __launch_bounds__(kNumThreads) paged_attention_reduce_kernel(
+    T* __restrict__ out,                      // [num_seqs, num_heads, head_size]
+    const float* __restrict__ partial_out,    // [num_seqs, num_heads, num_partitions, head_size]
+    const float* __restrict__ partial_max,    // [num_seqs, num_heads, num_partitions]
+    const float* __restrict__ partial_sum,    // [num_seqs, num_heads, num_partitions]
+    const int* __restrict__ context_lens,     // [num_seqs]
+    const AttentionShape shape, const int num_partitions) {
+  extern __shared__ float weights[];  // [num_partitions]
+  __shared__ float scratch[kNumThreads / kWarpSize];
+
+  const int head = blockIdx.x, seq = blockIdx.y;
+  const int64_t out_offset = seq * shape.out_stride_seq + head * shape.out_stride_head;
+  const int context_len = context_lens[seq];
+  if (context_len == 0) {
+    for (int d = threadIdx.x; d < HEAD_SIZE; d += kNumThreads) out[out_offset + d] = from_float<T>(0.f);
+    return;
+  }
+  const int used = (context_len + kPartitionSize - 1) / kPartitionSize;
+  const int64_t first = (static_cast<int64_t>(seq) * shape.num_heads + head) * num_partitions;
+
+  float max_logit = -FLT_MAX;
+  for (int p = threadIdx.x; p < used; p += kNumThreads) max_logit = fmaxf(max_logit, partial_max[first + p]);
+  max_logit = block_reduce(max_logit, scratch, MaxOp{});
+
+  float total = 0.f;
+  for (int p = threadIdx.x; p < used; p += kNumThreads) {
+    const float w = partial_sum[first + p] * expf(partial_max[first + p] - max_logit);
+    weights[p] = w;
+    total += w;
+  }
+  total = block_reduce(total, scratch, SumOp{});  // also publishes weights[]
+
+  for (int d = threadIdx.x; d < HEAD_SIZE; d += kNumThreads) {
+    float o = 0.f;
+    for (int p = 0; p < used; ++p) o += weights[p] * partial_out[(first + p) * HEAD_SIZE + d];
+    out[out_offset + d] = from_float<T>(o / total);
+  }
+}
+
+template <typename T, int HEAD_SIZE>
+cudaError_t launch(void* out, const void* query, const void* key_cache, const void* value_cache,
+                   const int* block_tables, const int* context_lens, float* partial_out, float* partial_max,
+                   float* partial_sum, const AttentionShape& shape, float scale, int max_context_len,
+                   cudaStream_t stream) {
+  const int num_partitions = attention_num_partitions(max_context_len);
+  const dim3 grid(shape.num_heads, shape.num_seqs, num_partitions);
+  paged_attention_kernel<T, HEAD_SIZE><<<grid, kNumThreads, 0, stream>>>(
+      static_cast<T*>(out), static_cast<const T*>(query), static_cast<const T*>(key_cache),
+      static_cast<const T*>(value_cache), block_tables, context_lens, partial_out, partial_max, partial_sum,
+      shape, scale);
+  if (num_partitions > 1) {
+    const dim3 reduce_grid(shape.num_heads, shape.num_seqs);
+    paged_attention_reduce_kernel<T, HEAD_SIZE><<<reduce_grid, kNumThreads, num_partitions * sizeof(float), stream>>>(
+        static_cast<T*>(out), partial_out, partial_max, partial_sum, context_lens, shape, num_partitions);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T, typename... Args>
+cudaError_t launch_for_head_size(int head_size, Args... args) {
+  switch (head_size) {
+    case 64: return launch<T, 64>(args...);
+    case 128: return launch<T, 128>(args...);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+bool attention_supports_head_size(int head_size) { return head_size == 64 || head_size == 128; }
+
+int attention_num_partitions(int max_context_len) {
+  return max_context_len <= kPartitionSize ? 1 : (max_context_len + kPartitionSize - 1) / kPartitionSize;
+}
+
+cudaError_t paged_attention(void* out, const void* query, const void* key_cache, const void* value_cache,
+                            const int* block_tables, const int* context_lens, float* partial_out,
+                            float* partial_max, float* partial_sum, const AttentionShape& shape, float scale,
+                            int max_context_len, DType dtype, cudaStream_t stream) {
+  if (shape.num_seqs == 0 || shape.num_heads == 0) return cudaSuccess;
+  switch (dtype) {
+    case DType::kFloat32:
+      return launch_for_head_size<float>(shape.head_size, out, query, key_cache, value_cache, block_tables,
+                                         context_lens, partial_out, partial_max, partial_sum, shape, scale,
+                                         max_context_len, stream);
+    case DType::kFloat16:
+      return launch_for_head_size<__half>(shape.head_size, out, query, key_cache, value_cache, block_tables,
+                                          context_lens, partial_out, partial_max, partial_sum, shape, scale,
+                                          max_context_len, stream);
+    case DType::kBFloat16:
+      return launch_for_head_size<__nv_bfloat16>(shape.head_size, out, query, key_cache, value_cache,
+                                                 block_tables, context_lens, partial_out, partial_max,
+                                                 partial_sum, shape, scale, max_context_len, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace paged_serve::cuda

@@ -1,0 +1,71 @@
+// Host entry points of the CUDA kernels. Plain C++ and the CUDA runtime only, no torch
+// headers: ../bindings.cpp turns tensors into these pointers, sizes and strides, and
+// `nvcc -c` can compile-check the .cu files on machines whose torch has no CUDA.
+//
+// Cache layout: [num_blocks, num_kv_heads, block_size, head_size], head_size contiguous.
+// Every function returns cudaSuccess or the launch error; none synchronises.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace paged_serve::cuda {
+
+enum class DType { kFloat32, kFloat16, kBFloat16 };
+
+// Tokens per partition of the split-context (two-pass) attention path.
+constexpr int kPartitionSize = 512;
+
+// Head sizes the attention kernel is instantiated for; bindings reject the others.
+bool attention_supports_head_size(int head_size);
+
+// Number of partitions paged_attention uses for this max_context_len; 1 means single pass
+// (no scratch buffers needed).
+int attention_num_partitions(int max_context_len);
+
+struct AttentionShape {
+  int num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq;
+  int64_t q_stride_seq, q_stride_head;                                // query
+  int64_t out_stride_seq, out_stride_head;                            // out
+  int64_t cache_stride_block, cache_stride_head, cache_stride_token;  // key and value caches
+};
+
+cudaError_t paged_attention(void* out,                 // [num_seqs, num_heads, head_size]
+                            const void* query,         // [num_seqs, num_heads, head_size]
+                            const void* key_cache,     // [num_blocks, num_kv_heads, block_size, head_size]
+                            const void* value_cache,   // [num_blocks, num_kv_heads, block_size, head_size]
+                            const int* block_tables,   // [num_seqs, max_blocks_per_seq]
+                            const int* context_lens,   // [num_seqs]
+                            float* partial_out,        // [num_seqs, num_heads, num_partitions, head_size], if > 1 partition
+                            float* partial_max,        // [num_seqs, num_heads, num_partitions], if > 1 partition
+                            float* partial_sum,        // [num_seqs, num_heads, num_partitions], if > 1 partition
+                            const AttentionShape& shape, float scale, int max_context_len, DType dtype,
+                            cudaStream_t stream);
+
+// Copies token rows into cache slots; element_size in bytes (2 or 4). Strides in elements.
+cudaError_t reshape_and_cache(const void* key,          // [num_tokens, num_kv_heads, head_size]
+                              const void* value,        // [num_tokens, num_kv_heads, head_size]
+                              void* key_cache,          // [num_blocks, num_kv_heads, block_size, head_size]
+                              void* value_cache,        // [num_blocks, num_kv_heads, block_size, head_size]
+                              const int64_t* slot_mapping,  // [num_tokens]
+                              int num_tokens, int num_kv_heads, int head_size, int block_size,
+                              int64_t key_stride_token, int64_t key_stride_head,
+                              int64_t value_stride_token, int64_t value_stride_head,
+                              int64_t cache_stride_block, int64_t cache_stride_head, int64_t cache_stride_token,
+                              int element_size, cudaStream_t stream);
+
+// Copies block src -> dst in every cache. cache_ptrs holds device addresses (as int64) of
+// contiguous block-major caches that share one block size in bytes.
+cudaError_t copy_blocks(const int64_t* cache_ptrs,     // [num_caches] (device memory)
+                        const int64_t* block_mapping,  // [num_pairs, 2] (device memory)
+                        int num_caches, int num_pairs, int64_t block_bytes, cudaStream_t stream);
+
+// Host <-> device or device <-> device block copies with cudaMemcpyAsync (cudaMemcpyDefault:
+// unified addressing finds the direction). block_mapping lives in host memory.
+cudaError_t swap_blocks(const void* src,               // [num_src_blocks, ...]
+                        void* dst,                     // [num_dst_blocks, ...]
+                        const int64_t* block_mapping,  // [num_pairs, 2] (host memory)
+                        int num_pairs, int64_t block_bytes, cudaStream_t stream);
+
+}  // namespace paged_serve::cuda
