@@ -1,0 +1,130 @@
+"""A request (`SequenceGroup`) and its sequences: one while the prompt is prefilled, then
+`best_of` samples forked from it that share the prompt's KV blocks."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+import torch
+
+from engine.outputs import Logprob, RequestMetrics
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    """Ordered: every status past SWAPPED is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED_STOPPED = 3  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = 4  # max_tokens or the end of the context
+    FINISHED_ABORTED = 5  # the client went away, or the request failed
+
+    @property
+    def is_finished(self) -> bool:
+        return self > SequenceStatus.SWAPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The one map from status to OpenAI's finish_reason."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, prompt_token_ids: list[int], index: int = 0, generator: torch.Generator | None = None):
+        self.seq_id = next(_seq_ids)
+        self.index = index  # which choice of the request this is
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: list[dict[int, Logprob]] = []
+        self.output_text = ""
+        self.stop_reason: str | int | None = None
+        self.generator = generator
+        self.detokenizer = None  # engine.tokenizer.IncrementalDetokenizer, set by the engine
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self) - self.num_computed_tokens
+
+    def fork(self, index: int, generator: torch.Generator | None) -> "Sequence":
+        child = Sequence(self.prompt_token_ids, index, generator)
+        child.output_token_ids = list(self.output_token_ids)
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        child.cumulative_logprob = self.cumulative_logprob
+        child.output_logprobs = list(self.output_logprobs)
+        child.output_text = self.output_text
+        return child
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.seq_id}, len={len(self)}, status={self.status.name})"
+
+
+class SequenceGroup:
+    """One request. Starts with a single sequence; forks into best_of after its prompt step."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.seqs: list[Sequence] = [Sequence(prompt_token_ids, 0, gen)]
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.forked = params.best_of == 1  # True once the prompt's samples exist
+        self.max_tokens = params.max_tokens  # the engine caps it at the end of the context
+        self.error: str | None = None  # why the request failed inside the engine, if it did
+
+    def seqs_with_status(self, status: SequenceStatus) -> list[Sequence]:
+        return [s for s in self.seqs if s.status == status]
+
+    @property
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.status.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.status.is_finished for s in self.seqs)
+
+    def set_status(self, status: SequenceStatus) -> None:
+        for s in self.unfinished_seqs:
+            s.status = status
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup({self.request_id!r}, seqs={self.seqs})"

@@ -1,0 +1,256 @@
+"""Block manager: property tests over random walks, and exact-id contracts for the free list
+and the prefix-cache eviction order. No model, no tensors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.block_manager import AllocStatus, BlockManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import SequenceGroup, SequenceStatus
+
+
+def make_group(n_tokens: int, rid: str = "r", first_token: int = 0, salt=None) -> SequenceGroup:
+    ids = [(first_token + i) % 1000 for i in range(n_tokens)]
+    return SequenceGroup(rid, None, ids, SamplingParams(max_tokens=None, cache_salt=salt))
+
+
+def admit(bm: BlockManager, group: SequenceGroup) -> None:
+    assert bm.can_allocate(group) is AllocStatus.OK
+    bm.allocate(group)
+    for s in group.seqs:
+        s.status = SequenceStatus.RUNNING
+        s.num_computed_tokens = len(s)
+
+
+def grow(bm: BlockManager, seq, token: int = 7):
+    seq.output_token_ids.append(token)
+    cow = bm.append_slot(seq)
+    seq.num_computed_tokens = len(seq)
+    return cow
+
+
+def test_fresh_pool_hands_out_lowest_ids_and_refills_fifo():
+    bm = BlockManager(8, 0, 4)
+    a, b = make_group(6, "a"), make_group(3, "b")
+    admit(bm, a)
+    admit(bm, b)
+    assert bm.block_table(a.seqs[0]) == [0, 1]
+    assert bm.block_table(b.seqs[0]) == [2]
+    bm.free(a.seqs[0])  # freed blocks go to the back of the free list, last block first
+    c = make_group(20, "c")
+    admit(bm, c)
+    assert bm.block_table(c.seqs[0]) == [3, 4, 5, 6, 7]
+    bm.free(b.seqs[0])
+    bm.free(c.seqs[0])
+    bm.check_integrity()
+    assert bm.all_free()
+
+
+def test_new_block_only_when_last_is_full():
+    bm = BlockManager(8, 0, 4)
+    g = make_group(3)
+    admit(bm, g)
+    seq = g.seqs[0]
+    assert len(bm.block_table(seq)) == 1
+    grow(bm, seq)  # 4 tokens: still one block
+    assert len(bm.block_table(seq)) == 1
+    grow(bm, seq)  # 5 tokens: a second block
+    assert len(bm.block_table(seq)) == 2
+    bm.free(seq)
+    assert bm.all_free()
+
+
+def test_copy_on_write_only_for_shared_partial_block():
+    bm = BlockManager(8, 0, 4)
+    g = make_group(6)
+    admit(bm, g)
+    parent = g.seqs[0]
+    child = parent.fork(1, None)
+    g.seqs.append(child)
+    bm.fork(parent, child)
+    assert bm.block_table(parent) == bm.block_table(child) == [0, 1]
+    bm.check_integrity()
+    cow = grow(bm, parent)  # writes into shared block 1: copied
+    assert cow == (1, 2)
+    assert bm.block_table(parent) == [0, 2]
+    assert grow(bm, child) is None  # block 1 is now the child's alone: written in place
+    assert bm.block_table(child) == [0, 1]
+    assert bm.gpu.blocks[0].ref_count == 2  # the full prompt block stays shared
+    bm.check_integrity()
+    bm.free(parent)
+    bm.free(child)
+    assert bm.all_free()
+
+
+def test_prompt_larger_than_pool_never_fits():
+    bm = BlockManager(4, 0, 4)
+    assert bm.can_allocate(make_group(17)) is AllocStatus.NEVER
+    assert bm.can_allocate(make_group(16)) is AllocStatus.OK
+
+
+def test_prefix_cache_reuses_blocks_and_evicts_least_recently_freed():
+    bm = BlockManager(6, 0, 4, enable_prefix_caching=True)
+    a = make_group(9, "a")  # blocks 0,1 full (hashed), 2 partial
+    admit(bm, a)
+    assert bm.block_table(a.seqs[0]) == [0, 1, 2]
+    b = make_group(9, "b")  # same prompt: reuses 0 and 1, computes the rest
+    assert bm.can_allocate(b) is AllocStatus.OK
+    bm.allocate(b)
+    assert bm.block_table(b.seqs[0])[:2] == [0, 1]
+    assert b.seqs[0].num_computed_tokens == 8
+    bm.free(a.seqs[0])
+    bm.free(b.seqs[0])
+    bm.check_integrity()
+    # free list: 4, 5 (never used), then a's partial block 2 and b's private block 3;
+    # the shared prompt blocks are cached, in the order their last reference went: 1, 0
+    assert list(bm.gpu.free) == [4, 5, 2, 3]
+    assert list(bm.gpu.cached) == [1, 0]
+    old_hashes = {bm.gpu.blocks[0].hash, bm.gpu.blocks[1].hash}
+    c = make_group(24, "c", first_token=500)  # 6 blocks: takes every free block, then evicts 1, 0
+    assert bm.can_allocate(c) is AllocStatus.OK
+    bm.allocate(c)
+    assert bm.block_table(c.seqs[0]) == [4, 5, 2, 3, 1, 0]
+    assert not bm.gpu.cached and not old_hashes & set(bm.gpu.by_hash)  # evicted
+    bm.free(c.seqs[0])
+    bm.check_integrity()
+
+
+def test_whole_prompt_cached_still_computes_last_token():
+    bm = BlockManager(6, 0, 4, enable_prefix_caching=True)
+    a = make_group(8, "a")
+    admit(bm, a)
+    bm.free(a.seqs[0])
+    b = make_group(8, "b")
+    bm.allocate(b)
+    assert b.seqs[0].num_computed_tokens == 4  # the last block is recomputed to get logits
+    bm.free(b.seqs[0])
+    bm.check_integrity()
+
+
+def test_cache_salt_separates_tenants():
+    bm = BlockManager(6, 0, 4, enable_prefix_caching=True)
+    a = make_group(9, "a", salt="tenant-1")
+    admit(bm, a)
+    b = make_group(9, "b", salt="tenant-2")
+    bm.allocate(b)
+    assert b.seqs[0].num_computed_tokens == 0
+    assert not set(bm.block_table(a.seqs[0])) & set(bm.block_table(b.seqs[0]))
+    bm.free(a.seqs[0])
+    bm.free(b.seqs[0])
+
+
+def test_swap_keeps_sharing_inside_a_group():
+    bm = BlockManager(8, 8, 4)
+    g = make_group(6)
+    admit(bm, g)
+    parent = g.seqs[0]
+    child = parent.fork(1, None)
+    g.seqs.append(child)
+    bm.fork(parent, child)
+    assert bm.can_swap_out(g)
+    pairs = bm.swap_out(g)
+    assert len(pairs) == 2  # two unique blocks, copied once each
+    g.set_status(SequenceStatus.SWAPPED)
+    assert bm.cpu_tables[parent.seq_id] == bm.cpu_tables[child.seq_id]
+    assert bm.gpu.num_free == 8
+    bm.check_integrity()
+    assert bm.can_swap_in(g)
+    back = bm.swap_in(g)
+    g.set_status(SequenceStatus.RUNNING)
+    assert len(back) == 2
+    assert bm.block_table(parent) == bm.block_table(child)
+    assert all(bm.gpu.blocks[b].ref_count == 2 for b in bm.block_table(parent))
+    bm.check_integrity()
+    bm.free(parent)
+    bm.free(child)
+    assert bm.all_free()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 2, 4, 16]),
+       prefix=st.booleans())
+def test_random_walk_keeps_invariants(seed, block_size, prefix):
+    """allocate / append / fork / swap / free at random: no leak, ref counts match the tables,
+    every token has a slot, copy-on-write only when a shared partial block is written."""
+    rng = random.Random(seed)
+    bm = BlockManager(48, 24, block_size, enable_prefix_caching=prefix)
+    live: list[SequenceGroup] = []
+    swapped: list[SequenceGroup] = []
+    for step in range(120):
+        op = rng.random()
+        if op < 0.25:
+            g = make_group(rng.randint(1, 40), f"g{step}", first_token=rng.choice([0, 0, step]))
+            if bm.can_allocate(g) is AllocStatus.OK:
+                admit(bm, g)
+                live.append(g)
+        elif op < 0.6 and live:
+            g = rng.choice(live)
+            running = g.seqs_with_status(SequenceStatus.RUNNING)
+            for seq in running:  # the engine appends sampled tokens, then asks for their slots
+                seq.output_token_ids.append(rng.randint(0, 999))
+            if not bm.can_append_slots(g):
+                for seq in running:
+                    seq.output_token_ids.pop()
+                continue
+            for seq in running:
+                table_before = bm.block_table(seq)
+                shared_before = [bm.gpu.blocks[b].ref_count > 1 for b in table_before]
+                cow = bm.append_slot(seq)
+                seq.num_computed_tokens = len(seq)
+                if cow is not None:
+                    idx = table_before.index(cow[0])
+                    assert shared_before[idx], "copied a block that was not shared"
+                    assert (len(seq) - 1) // block_size == idx, "copied a block it does not write"
+        elif op < 0.7 and live:
+            g = rng.choice(live)
+            seqs = g.seqs_with_status(SequenceStatus.RUNNING)
+            child = seqs[0].fork(len(g.seqs), None)
+            g.seqs.append(child)
+            bm.fork(seqs[0], child)
+        elif op < 0.8 and live:
+            g = rng.choice(live)
+            if bm.can_swap_out(g):
+                bm.swap_out(g)
+                g.set_status(SequenceStatus.SWAPPED)
+                live.remove(g)
+                swapped.append(g)
+        elif op < 0.88 and swapped:
+            g = swapped[0]
+            if bm.can_swap_in(g):
+                bm.swap_in(g)
+                g.set_status(SequenceStatus.RUNNING)
+                swapped.remove(g)
+                live.append(g)
+        elif live or swapped:
+            pool = live + swapped
+            g = rng.choice(pool)
+            for seq in g.seqs:
+                bm.free(seq)
+            (live if g in live else swapped).remove(g)
+        bm.check_integrity()
+        for g in live:  # every token has a slot
+            for seq in g.seqs_with_status(SequenceStatus.RUNNING):
+                assert len(bm.block_table(seq)) * block_size >= len(seq)
+    for g in live + swapped:
+        for seq in g.seqs:
+            bm.free(seq)
+    bm.check_integrity()
+    assert bm.all_free()
+
+
+@pytest.mark.parametrize("reserve", [64])
+def test_reserve_mode_allocates_max_len_up_front(reserve):
+    bm = BlockManager(64, 0, 16, reserve_tokens=reserve)
+    g = make_group(10)
+    admit(bm, g)
+    assert len(bm.block_table(g.seqs[0])) == 4
+    for _ in range(40):
+        assert grow(bm, g.seqs[0]) is None
+    assert len(bm.block_table(g.seqs[0])) == 4
+    bm.free(g.seqs[0])
+    assert bm.all_free()
