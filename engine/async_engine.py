@@ -1,0 +1,445 @@
+"""`AsyncEngine`: the asyncio face of the (not thread-safe) `LLMEngine`.
+
+One background thread owns the `LLMEngine`: it loads it, then loops
+
+    run queued commands (add / abort / call)  ->  engine.step()  ->  publish outputs
+
+so a forward pass never blocks the asyncio event loop. Everything else talks to that thread
+through a command queue; results come back to the event loop with `call_soon_threadsafe`, once
+per step for all requests together.
+
+Threads and ownership:
+- engine thread: the `LLMEngine`, `_live` (ids the engine holds), `on_stats` calls.
+- event loop thread: `_streams` (one `RequestStream` per request still being read), counters.
+
+Failures:
+- `add_request` raises the engine's `ValueError` (bad input: the server answers 400).
+- A step that raises an exception naming a request (`exc.request_id`) fails that request only;
+  one that names none fails every request in flight (we cannot tell which one was at fault) and
+  the loop carries on. If the loop itself breaks (or steps keep failing), the engine is dead:
+  every stream fails with `EngineDeadError` and new requests are refused with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar, Union
+
+from engine.metrics import EngineStats
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# A prompt, or a function run on the engine thread that makes one (e.g. applying a chat
+# template), so that every use of the tokenizer stays on the thread that owns the engine.
+PromptLike = Union[str, list[int], Callable[[Any], Union[str, list[int]]]]
+
+_MAX_CONSECUTIVE_STEP_FAILURES = 3
+_IDLE_WAIT_S = 1.0  # the loop also wakes on every command; this only bounds a missed wake-up
+
+
+class EngineState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DEAD = "dead"  # failed to load, or the loop broke: nothing will be served again
+    STOPPED = "stopped"  # shut down on purpose
+
+
+class EngineNotReadyError(RuntimeError):
+    """The model is still loading (server: 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died or failed to load (server: 503 for new requests, 500 in flight)."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-queued-requests (server: 429 with Retry-After)."""
+
+
+class RequestFailedError(RuntimeError):
+    """An internal failure while running this request only (server: 500)."""
+
+
+class RequestCancelledError(RuntimeError):
+    """The server ended the request itself, e.g. at the end of a graceful drain (server: 503)."""
+
+
+class RequestStream:
+    """The outputs of one request, in order, read by one consumer on the event loop.
+
+    Outputs are cumulative, so a consumer that falls behind skips to the latest one: `__anext__`
+    returns the newest output queued (never skipping the final one or an error).
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False  # no more items will be put (finished output, error or abort)
+        self._done = False  # the consumer has seen the end
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if self.finished:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            self.finished = True
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+
+class AsyncEngine:
+    """Runs an `LLMEngine` on a background thread; see the module docstring."""
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], Any],
+        *,
+        on_ready: Callable[[Any], None] | None = None,
+        on_stats: Callable[[EngineStats], None] | None = None,
+        max_queued_requests: int | None = None,
+    ) -> None:
+        """`engine_factory` builds the `LLMEngine` (on the engine thread, it may take seconds);
+        `on_ready(engine)` runs on the engine thread once it is built (it may set `on_stats`);
+        `on_stats(stats)` runs on the engine thread after every step."""
+        self._factory = engine_factory
+        self.on_ready = on_ready
+        self.on_stats = on_stats
+        self.max_queued_requests = max_queued_requests
+        self.state = EngineState.LOADING
+        self.dead_reason: str | None = None
+        self.engine: Any = None  # set once loaded; only the engine thread may call into it
+        self.last_stats: EngineStats | None = None
+        self.load_seconds: float | None = None
+
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready_future: asyncio.Future[None] | None = None
+        # Event-loop side.
+        self._streams: dict[str, RequestStream] = {}
+        self._pending_adds = 0  # add commands sent, not yet answered
+        self._unstarted: set[str] = set()  # added, no output yet (waiting in the engine)
+        # Engine-thread side.
+        self._live: set[str] = set()
+        self._stats_stale = False
+
+    # ----------------------------------------------------------------- lifecycle (event loop)
+    def start(self) -> None:
+        """Start loading the engine in the background; returns at once."""
+        self._loop = asyncio.get_running_loop()
+        self._ready_future = self._loop.create_future()
+        self._thread = threading.Thread(target=self._thread_main, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        """Return once loaded; raise `EngineDeadError` if loading failed."""
+        assert self._ready_future is not None, "start() first"
+        await asyncio.shield(self._ready_future)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop thread (requests still in flight are failed). Blocks up to `timeout`."""
+        if self.state in (EngineState.LOADING, EngineState.READY):
+            self.state = EngineState.STOPPED
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        for stream in list(self._streams.values()):
+            stream.put(RequestCancelledError("The server is shutting down."))
+        self._streams.clear()
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state is EngineState.READY
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests whose outputs someone is still reading."""
+        return len(self._streams)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests sent to the engine that have not produced an output yet (waiting)."""
+        return self._pending_adds + len(self._unstarted)
+
+    # ------------------------------------------------------------------ requests (event loop)
+    def check_accepting(self, num_requests: int = 1) -> None:
+        """Raise unless `num_requests` more requests may be added now (no engine access)."""
+        if self.state is EngineState.DEAD:
+            raise EngineDeadError(self.dead_reason or "The engine is not running.")
+        if self.state is EngineState.STOPPED:
+            raise EngineDeadError("The engine has been shut down.")
+        if self.state is EngineState.LOADING:
+            raise EngineNotReadyError("The model is still loading; try again shortly.")
+        if self.max_queued_requests is not None and self.num_queued + num_requests > self.max_queued_requests:
+            raise QueueFullError(
+                f"The server is overloaded: {self.num_queued} requests are already waiting "
+                f"(--max-queued-requests {self.max_queued_requests}). Retry shortly."
+            )
+
+    async def add_request(self, request_id: str, prompt: PromptLike, params: SamplingParams) -> RequestStream:
+        """Add a request and return its output stream once the engine has accepted it.
+
+        Raises the engine's `ValueError` for bad input (nothing is left behind), or the
+        errors of `check_accepting`. The caller must read the stream to its end or `abort()`.
+        """
+        self.check_accepting()
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        self._pending_adds += 1
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        arrival = time.monotonic()
+
+        def add() -> None:
+            try:
+                resolved = prompt(self.engine) if callable(prompt) else prompt
+                self.engine.add_request(request_id, resolved, params, arrival_time=arrival)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+                return
+            self._live.add(request_id)
+            future.set_result(None)
+
+        self._submit(add)
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # NOTE: the add may still run after we stop waiting; commands run in order, so this
+            # abort lands after it and nothing leaks.
+            self.abort(request_id)
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        finally:
+            self._pending_adds -= 1
+        if not stream.finished:
+            self._unstarted.add(request_id)
+        return stream
+
+    async def generate(self, request_id: str, prompt: PromptLike, params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs; closing or cancelling the iterator aborts it."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+            self._forget(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (idempotent, returns at once); its stream ends with nothing more."""
+        stream = self._streams.pop(request_id, None)
+        self._unstarted.discard(request_id)
+        if stream is not None:
+            stream.finished = True
+        if self.state is EngineState.READY:
+            self._submit(lambda: self._engine_abort(request_id))
+
+    def release(self, request_id: str) -> None:
+        """Forget a stream the caller has read to its end (or abort it if it had not ended)."""
+        stream = self._streams.get(request_id)
+        if stream is not None and not stream.finished:
+            self.abort(request_id)
+        self._forget(request_id)
+
+    def cancel_all(self, message: str) -> int:
+        """Fail every request in flight with `RequestCancelledError` and abort it in the engine."""
+        ids = list(self._streams)
+        for request_id in ids:
+            stream = self._streams[request_id]
+            stream.put(RequestCancelledError(message))
+            self.abort(request_id)
+        return len(ids)
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run `fn(engine)` on the engine thread between two steps and return its result."""
+        if self.state is not EngineState.READY:
+            self.check_accepting(0)
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+
+        self._submit(run)
+        return await asyncio.wrap_future(future)
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._unstarted.discard(request_id)
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # --------------------------------------------------------------------- dispatch (event loop)
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._unstarted.discard(output.request_id)
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            error = getattr(output, "error", None)
+            if error is not None:
+                stream.put(RequestFailedError(str(error)))
+            else:
+                stream.put(output)
+
+    def _fail(self, request_ids: list[str] | None, exc: BaseException) -> None:
+        """Fail the given requests (all in flight when None)."""
+        ids = list(self._streams) if request_ids is None else request_ids
+        for request_id in ids:
+            self._unstarted.discard(request_id)
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put(exc)
+
+    def _set_ready(self, error: BaseException | None) -> None:
+        future = self._ready_future
+        if future is None or future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+            future.exception()  # NOTE: mark retrieved: nobody may be waiting on it
+
+    def _to_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: the process is exiting
+            pass
+
+    # ------------------------------------------------------------------------- engine thread
+    def _thread_main(self) -> None:
+        start = time.monotonic()
+        try:
+            self.engine = self._factory()
+            if self.on_ready is not None:
+                self.on_ready(self.engine)
+            self.last_stats = getattr(self.engine, "last_stats", None)
+        except BaseException as exc:  # noqa: BLE001 - reported, the server stays up to say so
+            logger.exception("The engine failed to load")
+            self._die(f"The engine failed to load: {exc!r}")
+            self._to_loop(self._set_ready, EngineDeadError(self.dead_reason))
+            return
+        self.load_seconds = time.monotonic() - start
+        if self.state is EngineState.LOADING:
+            self.state = EngineState.READY
+        logger.info("Engine ready in %.1f s", self.load_seconds)
+        self._to_loop(self._set_ready, None)
+        try:
+            self._loop_forever()
+        except BaseException as exc:  # noqa: BLE001
+            logger.exception("The engine loop died")
+            self._die(f"The engine loop died: {exc!r}")
+
+    def _die(self, reason: str) -> None:
+        self.state = EngineState.DEAD
+        self.dead_reason = reason
+        self._to_loop(self._fail, None, EngineDeadError(reason))
+
+    def _loop_forever(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            self._wakeup.clear()
+            self._run_commands()
+            if self._stop.is_set():
+                break
+            if not self.engine.has_unfinished_requests():
+                if self._stats_stale:
+                    self._refresh_idle_stats()
+                self._wakeup.wait(_IDLE_WAIT_S)
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - isolated below
+                failures += 1
+                if failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
+                    raise
+                self._isolate_step_failure(exc)
+                continue
+            failures = 0
+            self._publish(outputs)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _engine_abort(self, request_id: str) -> None:
+        if request_id in self._live:
+            self._live.discard(request_id)
+            self.engine.abort_request(request_id)
+            self._stats_stale = True
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            if output.finished:
+                self._live.discard(output.request_id)
+        if outputs:
+            self._to_loop(self._dispatch, outputs)
+        self._observe()
+
+    def _observe(self) -> None:
+        self._stats_stale = False
+        stats = getattr(self.engine, "last_stats", None)
+        self.last_stats = stats
+        if stats is not None and self.on_stats is not None:
+            try:
+                self.on_stats(stats)
+            except Exception:  # noqa: BLE001 - metrics must never stop serving
+                logger.exception("on_stats observer failed")
+
+    def _refresh_idle_stats(self) -> None:
+        """After aborts with nothing left to run, take one (empty) step so that the stats show
+        the freed blocks; the engine's step() on an empty queue is expected to be a no-op."""
+        try:
+            self.engine.step()
+        except Exception:  # noqa: BLE001
+            logger.exception("idle step to refresh stats failed")
+        self._observe()
+
+    def _isolate_step_failure(self, exc: Exception) -> None:
+        culprit = getattr(exc, "request_id", None)
+        ids = [culprit] if culprit in self._live else sorted(self._live)
+        logger.error("engine step failed (%r); failing %d request(s): %s", exc, len(ids), ids[:8],
+                     exc_info=exc)
+        for request_id in ids:
+            self._engine_abort(request_id)
+        self._to_loop(self._fail, ids, RequestFailedError(f"Internal error while generating: {exc!r}"))

@@ -1,0 +1,110 @@
+"""The FastAPI app factory: routes, error handlers, middleware, and the engine's lifecycle.
+
+The engine loads on its own thread after the server starts listening, so /health answers 503
+while loading; everything model-dependent is filled in when it is ready (`_on_engine_ready`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from server.context import ServerContext
+from server.errors import install_error_handlers
+from server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from server.protocol import now
+from server.routes import chat, completions, models, ops, tokenize
+from server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+
+def make_metrics(model_name: str, cache_info: dict[str, str]) -> Any:
+    """`server.observability.Metrics`, or a minimal fallback if that module is missing."""
+    try:
+        from server.observability import Metrics
+    except ImportError:
+        from server.metrics_fallback import FallbackMetrics as Metrics
+    return Metrics(model_name, cache_info)
+
+
+def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
+               on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """Build the app. `engine_factory()` returns a loaded `LLMEngine` (called on the engine
+    thread); `on_load_failure(exc)` runs on the event loop if it raises (e.g. to exit 1)."""
+    engine = AsyncEngine(engine_factory, max_queued_requests=settings.max_queued_requests)
+    ctx = ServerContext(settings=settings, engine=engine)
+    engine.on_ready = lambda llm: _on_engine_ready(ctx, llm)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        watcher = asyncio.ensure_future(_watch_load(engine, on_load_failure))
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            engine.shutdown()
+
+    app = FastAPI(title="paged-serve", version=_version(), lifespan=lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    for module in (completions, chat, models, tokenize, ops):
+        app.include_router(module.router)
+
+    # Middleware: the last added is the outermost (CORS, then auth, then the body limit).
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    if settings.api_key:
+        open_paths = ("/health",) + (ops.OPS_PATHS if settings.metrics_public else ())
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"], allow_credentials=True)
+    return app
+
+
+def _on_engine_ready(ctx: ServerContext, llm: Any) -> None:
+    """Runs on the engine thread once the engine is built, before it is marked ready."""
+    config = llm.model_config
+    ctx.model_name = config.served_model_name
+    ctx.max_model_len = config.max_model_len
+    ctx.tokenizer = llm.tokenizer
+    ctx.vocab_size = len(llm.tokenizer)
+    ctx.created = now()
+    try:
+        ctx.metrics = make_metrics(ctx.model_name, llm.cache_info())
+        ctx.engine.on_stats = ctx.metrics.observe
+    except Exception:  # noqa: BLE001 - serve without metrics rather than not at all
+        logger.exception("metrics could not be set up; /metrics will answer 503")
+    logger.info("Serving %s (max_model_len %d); cache: %s", ctx.model_name, ctx.max_model_len,
+                _safe(llm.cache_info))
+
+
+def _safe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001
+        return repr(exc)
+
+
+async def _watch_load(engine: AsyncEngine, on_failure: Callable[[BaseException], None] | None) -> None:
+    with contextlib.suppress(asyncio.CancelledError):
+        try:
+            await engine.wait_ready()
+        except EngineDeadError as exc:
+            if on_failure is not None:
+                on_failure(exc)
+
+
+def _version() -> str:
+    from server import __version__
+
+    return __version__

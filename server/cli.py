@@ -1,0 +1,165 @@
+"""Command line: vLLM-spelled flags, an optional YAML config (--config; flags override it),
+turned into `EngineArgs` and `ServerSettings`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from engine.config import EngineArgs, parse_size
+from server.settings import ServerSettings
+
+API_KEY_ENV = "PAGED_SERVE_API_KEY"
+
+# Flags that go to EngineArgs (dest name == EngineArgs field name).
+ENGINE_FLAGS = (
+    "model", "served_model_name", "tokenizer", "dtype", "device", "load_format", "max_model_len",
+    "block_size", "kv_cache_memory", "gpu_memory_utilization", "swap_space", "num_gpu_blocks_override",
+    "enable_prefix_caching", "kv_allocation", "max_num_seqs", "max_num_batched_tokens", "preemption_mode",
+    "max_preemptions_per_request", "seed", "tensor_parallel_size",
+)
+
+
+@dataclass(frozen=True)
+class CliConfig:
+    engine_args: EngineArgs
+    settings: ServerSettings
+    engine_factory: str | None  # "module:callable" replacing LLMEngine.from_engine_args (tests)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="paged-serve",
+        description="OpenAI-compatible LLM server built around PagedAttention.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="model: HF directory, GGUF file or hub-style name (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--config", default=None, help="YAML file of flag values (flags given here override it)")
+
+    net = p.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1")
+    net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--api-key", default=None,
+                     help=f"require 'Authorization: Bearer KEY' on every route but /health (env {API_KEY_ENV})")
+    net.add_argument("--allowed-origins", default=None,
+                     help='CORS origins: a JSON list (\'["*"]\') or comma-separated')
+    net.add_argument("--metrics-public", action="store_true", default=False,
+                     help="serve /metrics, /kv/blocks and /dashboard without the API key")
+    net.add_argument("--chat-template", default=None, help="Jinja chat template: a file path or the template itself")
+    net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    net.add_argument("--disable-uvicorn-access-log", action="store_true", default=False)
+    net.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="on SIGTERM/SIGINT, seconds to let requests in flight finish before ending them")
+    net.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
+
+    lim = p.add_argument_group("limits")
+    lim.add_argument("--max-logprobs", type=int, default=20, help="most logprobs / top_logprobs per token")
+    lim.add_argument("--max-n", type=int, default=16, help="most choices (n) per request")
+    lim.add_argument("--max-best-of", type=int, default=16)
+    lim.add_argument("--max-prompts-per-request", type=int, default=64)
+    lim.add_argument("--max-stop-sequences", type=int, default=16)
+    lim.add_argument("--max-tokens-limit", type=int, default=None, help="cap on max_tokens (default: the context)")
+    lim.add_argument("--max-request-body-bytes", default="4MiB", help="largest request body, e.g. 4MiB")
+    lim.add_argument("--max-queued-requests", type=int, default=None,
+                     help="answer 429 (Retry-After) once this many requests wait (default: unbounded)")
+
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--model", dest="model", default=None, help="same as the positional MODEL")
+    eng.add_argument("--served-model-name", default=None)
+    eng.add_argument("--tokenizer", default=None)
+    eng.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    eng.add_argument("--device", default="auto")
+    eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--block-size", type=int, default=16)
+    eng.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size on CPU, e.g. 2GiB")
+    eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    eng.add_argument("--swap-space", type=float, default=1.0, help="CPU swap pool, GiB")
+    eng.add_argument("--num-gpu-blocks-override", type=int, default=None, help=argparse.SUPPRESS)
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    eng.add_argument("--kv-allocation", default="paged", choices=["paged", "reserve"])
+    eng.add_argument("--max-num-seqs", type=int, default=64)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=None)
+    eng.add_argument("--preemption-mode", default="swap", choices=["swap", "recompute"])
+    eng.add_argument("--max-preemptions-per-request", type=int, default=8)
+    eng.add_argument("--seed", type=int, default=0)
+    eng.add_argument("--tensor-parallel-size", type=int, default=1)
+    return p
+
+
+def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
+    """Flag values from YAML (keys spelled as flags, with dashes or underscores)."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of flag names to values")
+    known = {a.dest for a in parser._actions}
+    values = {}
+    for key, value in data.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in known or dest in ("help", "config"):
+            parser.error(f"--config {path}: unknown setting {key!r}")
+        values[dest] = value
+    return values
+
+
+def _origins(value) -> tuple[str, ...]:
+    if not value:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(str(v) for v in value)
+    value = str(value).strip()
+    if value.startswith("["):
+        return tuple(json.loads(value))
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def _chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    if "{" not in value and path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise SystemExit(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> CliConfig:
+    parser = build_parser()
+    pre, _ = parser.parse_known_args(argv)
+    if pre.config:
+        parser.set_defaults(**load_config_file(pre.config, parser))
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    engine_kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    try:
+        body_limit = parse_size(args.max_request_body_bytes)
+    except ValueError as exc:
+        parser.error(f"--max-request-body-bytes: {exc}")
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        allowed_origins=_origins(args.allowed_origins),
+        chat_template=_chat_template(args.chat_template),
+        metrics_public=args.metrics_public,
+        max_logprobs=args.max_logprobs,
+        max_n=args.max_n,
+        max_best_of=args.max_best_of,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_stop_sequences=args.max_stop_sequences,
+        max_tokens_limit=args.max_tokens_limit,
+        max_request_body_bytes=body_limit,
+        max_queued_requests=args.max_queued_requests,
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+        access_log=not args.disable_uvicorn_access_log,
+    )
+    return CliConfig(EngineArgs(**engine_kwargs), settings, args.engine_factory)

@@ -1,0 +1,46 @@
+"""`ServerContext`: what every route needs (settings, the async engine, model facts, metrics),
+kept on `app.state.ctx`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from engine.async_engine import AsyncEngine
+from server.errors import OpenAIError
+from server.settings import ServerSettings
+
+
+@dataclass
+class ServerContext:
+    settings: ServerSettings
+    engine: AsyncEngine
+    # Known once the engine has loaded (set on the engine thread by `on_engine_ready`).
+    model_name: str | None = None
+    max_model_len: int | None = None
+    vocab_size: int | None = None
+    tokenizer: Any = None  # NOTE: read-only use off the engine thread (decode of single tokens)
+    metrics: Any = None  # server.observability.Metrics, or the fallback
+    created: int = 0  # unix time the model finished loading (for /v1/models)
+    draining: bool = False  # SIGTERM received: new requests get 503
+    extra: dict = field(default_factory=dict)
+
+    def check_model(self, model: str | None) -> str:
+        """The served name; 404 for any other model name (None means the served one)."""
+        name = self.model_name or ""
+        if model is not None and model != name:
+            raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return name
+
+    def client_disconnected(self) -> None:
+        if self.metrics is not None:
+            try:
+                self.metrics.client_disconnected()
+            except Exception:  # noqa: BLE001 - metrics never break serving
+                pass
+
+
+def get_ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx

@@ -1,0 +1,159 @@
+"""OpenAI-shaped errors: one exception type for the handlers, and the app-wide handlers that turn
+every failure (validation, unknown route, engine state, internal bugs) into
+`{"error": {"message", "type", "param", "code"}}` with the right status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import (
+    EngineDeadError,
+    EngineNotReadyError,
+    QueueFullError,
+    RequestCancelledError,
+    RequestFailedError,
+)
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1  # what a 429 / 503 tells clients to wait
+
+
+class OpenAIError(Exception):
+    """An error to answer with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _default_type(status)
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _default_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status == 503:
+        return "service_unavailable_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+# Parameter names that SamplingParams' messages start with ("top_p must be in (0, 1], ...").
+_KNOWN_PARAMS = {
+    "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+    "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "stop",
+    "stop_token_ids", "logit_bias", "seed",
+}
+
+
+def from_value_error(exc: ValueError, prompt_param: str = "prompt") -> OpenAIError:
+    """400 from an engine / SamplingParams ValueError; `param` is guessed from the message
+    (`prompt_param` names the prompt field: "prompt" or "messages")."""
+    message = str(exc)
+    first = message.split(" ", 1)[0]
+    param = first if first in _KNOWN_PARAMS else None
+    if "maximum context length" in message:
+        return bad_request(message, param=prompt_param, code="context_length_exceeded")
+    if "prompt" in message.lower() and param is None:
+        param = prompt_param
+    return bad_request(message, param=param)
+
+
+def from_engine_error(exc: BaseException, *, in_flight: bool = False) -> OpenAIError:
+    """Map the async engine's errors: before a request starts (503/429) or while it runs (500)."""
+    if isinstance(exc, QueueFullError):
+        return OpenAIError(429, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineNotReadyError):
+        return OpenAIError(503, str(exc), code="model_loading", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, RequestCancelledError):
+        return OpenAIError(503, str(exc), code="server_shutting_down")
+    if isinstance(exc, EngineDeadError):
+        if in_flight:
+            return OpenAIError(500, f"The engine stopped while generating: {exc}", code="engine_dead")
+        return OpenAIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return OpenAIError(500, str(exc), code="internal_error")
+    logger.error("internal error while handling a request", exc_info=exc)
+    return OpenAIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return f"Malformed JSON in the request body: {ctx.get('error', 'invalid JSON')}.", None
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # NOTE: pydantic puts union member names in loc (e.g. 'str', 'list[int]'); keep the field path.
+    loc = [part for part in loc if not (part.startswith(("list[", "dict[")) or part in ("str", "int", "float", "bool"))]
+    param = ".".join(loc) or None
+    if first.get("type") == "missing" and param:
+        return f"Missing required parameter: '{param}'.", param
+    if first.get("type") == "model_attributes_type" and not loc:
+        return "The request body must be a JSON object.", None
+    msg = first.get("msg", "Invalid value")
+    more = f" ({len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    return (f"Invalid value for '{param}': {msg}{more}." if param else f"{msg}{more}."), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return bad_request(message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        try:
+            phrase = HTTPStatus(exc.status_code).phrase
+        except ValueError:
+            phrase = "Error"
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404 and message == phrase:
+            message = "Not found: no such route."
+        return OpenAIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+
+    for engine_error in (EngineDeadError, EngineNotReadyError, QueueFullError, RequestFailedError,
+                         RequestCancelledError):
+        app.add_exception_handler(engine_error, _engine_error)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        return from_engine_error(exc).response()
+
+
+async def _engine_error(_: Request, exc: Exception) -> JSONResponse:
+    return from_engine_error(exc).response()

@@ -1,0 +1,180 @@
+"""POST /v1/completions: one or many prompts (text or token ids), n choices each, echo,
+logprobs, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.async_engine import PromptLike, RequestStream
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from server.context import ServerContext, get_ctx
+from server.errors import OpenAIError, bad_request, from_engine_error
+from server.generation import DeltaTracker, collect, merged, release, sorted_choices, start_requests, until_disconnect
+from server.logprobs import completion_logprobs
+from server.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    UsageInfo,
+    now,
+    random_id,
+)
+from server.routes.common import require_ready
+from server.sampling import completion_params
+from server.streaming import DONE, SSE_HEADERS, sse, sse_error
+
+router = APIRouter()
+
+
+def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[PromptLike]:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompts: list[PromptLike] = [prompt]
+    elif not prompt:
+        raise bad_request("prompt must not be empty.", param="prompt")
+    elif isinstance(prompt[0], int):
+        prompts = [list(prompt)]
+    else:
+        prompts = [p if isinstance(p, str) else list(p) for p in prompt]
+    if len(prompts) > ctx.settings.max_prompts_per_request:
+        raise bad_request(f"At most {ctx.settings.max_prompts_per_request} prompts per request, got {len(prompts)}.",
+                          param="prompt")
+    for p in prompts:
+        if len(p) == 0:
+            raise bad_request("prompt must not be empty.", param="prompt")
+        if isinstance(p, list) and ctx.vocab_size is not None and any(not 0 <= t < ctx.vocab_size for t in p):
+            raise bad_request(f"prompt token ids must be in [0, {ctx.vocab_size}).", param="prompt")
+    return prompts
+
+
+@router.post("/v1/completions", response_model=CompletionResponse)
+async def create_completion(req: CompletionRequest, request: Request) -> Response:
+    ctx = get_ctx(request)
+    require_ready(ctx)
+    model = ctx.check_model(req.model)
+    prompts = _prompts(req, ctx)
+    params = completion_params(req, ctx.settings, ctx.vocab_size)
+    request_id = random_id("cmpl")
+    streams = await start_requests(ctx.engine, request_id, prompts, params)
+    echo_texts = await _echo_texts(ctx, prompts, streams) if req.echo else None
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        body = _stream(ctx, req, params, request_id, model, streams, echo_texts, include_usage)
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+    return await until_disconnect(request, ctx, _full(ctx, req, params, request_id, model, streams, echo_texts))
+
+
+async def _echo_texts(ctx: ServerContext, prompts: list[PromptLike], streams: list[RequestStream]) -> list[str]:
+    try:
+        token_prompts = [p for p in prompts if isinstance(p, list)]
+        decoded = iter(await ctx.engine.call(lambda e: [e.tokenizer.decode(p) for p in token_prompts])
+                       if token_prompts else [])
+    except BaseException:
+        release(ctx.engine, streams)
+        raise
+    return [p if isinstance(p, str) else next(decoded) for p in prompts]
+
+
+def _decode_one(ctx: ServerContext):
+    return lambda token_id: ctx.tokenizer.decode([token_id])
+
+
+def _prompt_logprobs(ctx: ServerContext, output: RequestOutput, offset: int):
+    entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    return completion_logprobs(entries, output.prompt_token_ids, _decode_one(ctx), offset)
+
+
+async def _full(ctx: ServerContext, req: CompletionRequest, params: SamplingParams, request_id: str,
+                model: str, streams: list[RequestStream], echo_texts: list[str] | None) -> Response:
+    try:
+        finals = await collect(streams)
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for p, output in enumerate(finals):
+            prompt_tokens += len(output.prompt_token_ids)
+            for choice in sorted_choices(output):
+                completion_tokens += len(choice.token_ids)
+                prefix = echo_texts[p] if echo_texts is not None else ""
+                logprobs = None
+                if params.logprobs is not None:
+                    offset = 0
+                    if echo_texts is not None:
+                        logprobs, offset = _prompt_logprobs(ctx, output, 0)
+                        offset = len(prefix)
+                    gen, _ = completion_logprobs(choice.logprobs or [], choice.token_ids, _decode_one(ctx), offset)
+                    if logprobs is None:
+                        logprobs = gen
+                    else:
+                        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                            getattr(logprobs, field).extend(getattr(gen, field))
+                choices.append(CompletionChoice(index=p * params.n + choice.index, text=prefix + choice.text,
+                                                logprobs=logprobs, finish_reason=choice.finish_reason,
+                                                stop_reason=choice.stop_reason))
+        choices.sort(key=lambda c: c.index)
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)
+        response = CompletionResponse(id=request_id, created=now(), model=model, choices=choices, usage=usage)
+        return JSONResponse(response.model_dump())
+    except asyncio.CancelledError:
+        raise
+    except OpenAIError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one request's failure
+        raise from_engine_error(exc, in_flight=True) from None
+    finally:
+        release(ctx.engine, streams)
+
+
+async def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingParams, request_id: str,
+                  model: str, streams: list[RequestStream], echo_texts: list[str] | None,
+                  include_usage: bool) -> AsyncIterator[str]:
+    created = now()
+    tracker = DeltaTracker(params.n)
+    offsets: dict[int, int] = {}
+
+    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        return sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
+                                            usage=usage), include_usage=include_usage)
+
+    try:
+        async for p, output in merged(streams):
+            choices = []
+            for delta in tracker.deltas(p, output):
+                text, logprobs = delta.text, None
+                offset = offsets.get(delta.index, 0)
+                if delta.first and echo_texts is not None:
+                    if params.logprobs is not None:
+                        logprobs, _ = _prompt_logprobs(ctx, output, 0)
+                    text = echo_texts[p] + text
+                    offset = len(echo_texts[p])
+                if params.logprobs is not None:
+                    gen, offsets[delta.index] = completion_logprobs(delta.logprobs or [], delta.token_ids,
+                                                                    _decode_one(ctx), offset)
+                    if logprobs is None:
+                        logprobs = gen
+                    else:
+                        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                            getattr(logprobs, field).extend(getattr(gen, field))
+                choices.append(CompletionChoice(index=delta.index, text=text, logprobs=logprobs,
+                                                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
+            if choices:
+                yield chunk(choices)
+        if include_usage:
+            prompt_tokens, completion_tokens = tracker.usage()
+            yield chunk([], UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                      total_tokens=prompt_tokens + completion_tokens))
+        yield DONE
+    except asyncio.CancelledError:
+        ctx.client_disconnected()
+        raise
+    except Exception as exc:  # noqa: BLE001 - headers are out: report in-band
+        error = exc if isinstance(exc, OpenAIError) else from_engine_error(exc, in_flight=True)
+        yield sse_error(error)
+        yield DONE
+    finally:
+        release(ctx.engine, streams)

@@ -1,0 +1,41 @@
+"""Operator routes: GET /metrics (Prometheus), GET /kv/blocks (the block pool map, JSON) and
+GET /dashboard (the live block map page from server/static/)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+
+from server.context import get_ctx
+from server.errors import OpenAIError
+
+router = APIRouter()
+
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+# Routes that --metrics-public opens without the API key (the dashboard page polls /kv/blocks).
+OPS_PATHS = ("/metrics", "/kv/blocks", "/dashboard")
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    ctx = get_ctx(request)
+    if ctx.metrics is None:
+        raise OpenAIError(503, "Metrics are available once the model has loaded.", code="model_loading")
+    body, content_type = ctx.metrics.render()
+    return Response(content=body, media_type=content_type)
+
+
+@router.get("/kv/blocks")
+async def kv_blocks(request: Request) -> JSONResponse:
+    ctx = get_ctx(request)
+    return JSONResponse(await ctx.engine.call(lambda engine: engine.block_map()))
+
+
+@router.get("/dashboard", include_in_schema=False)
+async def dashboard() -> Response:
+    page = STATIC_DIR / "dashboard.html"
+    if not page.is_file():
+        raise OpenAIError(404, "The dashboard is not installed (server/static/dashboard.html).")
+    return FileResponse(page, media_type="text/html")

@@ -1,0 +1,121 @@
+"""Request fields -> `SamplingParams`, with the checks that belong to the server (limits,
+field combinations). Range checks on single values are `SamplingParams`' own; its ValueError
+messages become 400s.
+"""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from server.errors import bad_request, from_value_error
+from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from server.settings import ServerSettings
+
+
+def _common_checks(req: _SamplingFields, settings: ServerSettings, vocab_size: int | None) -> dict:
+    n = 1 if req.n is None else req.n
+    if n < 1:
+        raise bad_request(f"n must be at least 1, got {n}.", param="n")
+    if n > settings.max_n:
+        raise bad_request(f"n must be at most {settings.max_n}, got {n}.", param="n")
+    if req.best_of is not None:
+        if req.best_of > settings.max_best_of:
+            raise bad_request(f"best_of must be at most {settings.max_best_of}, got {req.best_of}.",
+                              param="best_of")
+        if req.best_of < n:
+            raise bad_request(f"best_of must be greater than or equal to n, got n={n} and best_of={req.best_of}.",
+                              param="best_of")
+        if req.stream and req.best_of != n:
+            raise bad_request("best_of must equal n when streaming.", param="best_of")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options can only be set when stream is true.", param="stream_options")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > settings.max_stop_sequences:
+        raise bad_request(f"stop may hold at most {settings.max_stop_sequences} sequences, got {len(stop)}.",
+                          param="stop")
+    logit_bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias") from None
+        if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+            raise bad_request(f"logit_bias token id {token_id} is out of the vocabulary (size {vocab_size}).",
+                              param="logit_bias")
+        logit_bias[token_id] = value
+    for token_id in req.stop_token_ids or []:
+        if vocab_size is not None and not 0 <= token_id < vocab_size:
+            raise bad_request(f"stop_token_ids: token id {token_id} is out of the vocabulary (size {vocab_size}).",
+                              param="stop_token_ids")
+    kwargs = dict(
+        n=n,
+        best_of=req.best_of,
+        stop=stop,
+        seed=req.seed,
+        logit_bias=logit_bias,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        stop_token_ids=list(req.stop_token_ids or []),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+    )
+    optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                    repetition_penalty=req.repetition_penalty)
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    return kwargs
+
+
+def _check_max_tokens(max_tokens: int | None, settings: ServerSettings, param: str) -> None:
+    if max_tokens is None:
+        return
+    if max_tokens < 1:
+        raise bad_request(f"{param} must be at least 1, got {max_tokens}.", param=param)
+    if settings.max_tokens_limit is not None and max_tokens > settings.max_tokens_limit:
+        raise bad_request(f"{param} must be at most {settings.max_tokens_limit}, got {max_tokens}.", param=param)
+
+
+def _build(kwargs: dict) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+
+
+def completion_params(req: CompletionRequest, settings: ServerSettings, vocab_size: int | None) -> SamplingParams:
+    kwargs = _common_checks(req, settings, vocab_size)
+    if req.suffix:
+        raise bad_request("suffix is not supported.", param="suffix")
+    _check_max_tokens(req.max_tokens, settings, "max_tokens")
+    if req.logprobs is not None:
+        if req.logprobs < 0:
+            raise bad_request(f"logprobs must be non-negative, got {req.logprobs}.", param="logprobs")
+        if req.logprobs > settings.max_logprobs:
+            raise bad_request(f"logprobs must be at most {settings.max_logprobs}, got {req.logprobs}.",
+                              param="logprobs")
+    kwargs.update(max_tokens=req.max_tokens, logprobs=req.logprobs)
+    if req.echo and req.logprobs is not None:
+        kwargs["prompt_logprobs"] = req.logprobs
+    return _build(kwargs)
+
+
+def chat_params(req: ChatCompletionRequest, settings: ServerSettings, vocab_size: int | None) -> SamplingParams:
+    kwargs = _common_checks(req, settings, vocab_size)
+    if req.tools:
+        raise bad_request("tools are not supported by this server.", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than text is not supported.", param="response_format")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    _check_max_tokens(max_tokens, settings,
+                      "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+    logprobs = None
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        if req.top_logprobs < 0 or req.top_logprobs > settings.max_logprobs:
+            raise bad_request(f"top_logprobs must be between 0 and {settings.max_logprobs}, got {req.top_logprobs}.",
+                              param="top_logprobs")
+    if req.logprobs:
+        logprobs = req.top_logprobs or 0
+    kwargs.update(max_tokens=max_tokens, logprobs=logprobs)
+    return _build(kwargs)
