@@ -1,0 +1,126 @@
+"""Scheduler on the CPU with no model: a fake step appends one token per scheduled sequence."""
+
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import SequenceGroup, SequenceStatus
+
+
+def make_scheduler(num_blocks=64, cpu_blocks=64, block_size=4, max_seqs=8, max_tokens=64,
+                   mode="swap", max_preemptions=8) -> Scheduler:
+    cfg = SchedulerConfig(max_seqs, max_tokens, 64, mode, max_preemptions)
+    return Scheduler(cfg, BlockManager(num_blocks, cpu_blocks, block_size))
+
+
+def group(rid: str, n_tokens: int, max_tokens: int = 4, t: float = 0.0) -> SequenceGroup:
+    g = SequenceGroup(rid, None, list(range(1, n_tokens + 1)), SamplingParams(max_tokens=max_tokens), t)
+    g.max_tokens = max_tokens
+    return g
+
+
+def fake_step(sched: Scheduler):
+    """schedule, 'run' (mark computed, append a token), finish at max_tokens, free."""
+    out = sched.schedule()
+    for s in out.scheduled:
+        s.seq.num_computed_tokens += s.num_tokens
+        assert s.seq.num_uncomputed_tokens == 0
+        s.seq.output_token_ids.append(99)
+        if len(s.seq.output_token_ids) >= s.group.max_tokens:
+            s.seq.status = SequenceStatus.FINISHED_LENGTH
+    finished = sched.free_finished()
+    sched.block_manager.check_integrity()
+    return out, finished
+
+
+def test_new_request_joins_running_batch_mid_flight():
+    sched = make_scheduler()
+    sched.add(group("a", 5, max_tokens=6, t=0))
+    out, _ = fake_step(sched)
+    assert [s.group.request_id for s in out.scheduled] == ["a"] and out.scheduled[0].is_prefill
+    fake_step(sched)
+    sched.add(group("b", 3, max_tokens=2, t=1))
+    out, _ = fake_step(sched)
+    ids = {(s.group.request_id, s.is_prefill) for s in out.scheduled}
+    assert ids == {("b", True), ("a", False)}  # b prefills while a decodes, same step
+    assert out.scheduled[0].group.request_id == "b"  # prefills come first in the batch
+
+
+def test_finished_requests_free_their_blocks_the_same_step():
+    sched = make_scheduler()
+    sched.add(group("a", 5, max_tokens=2))
+    fake_step(sched)
+    assert sched.block_manager.num_free_gpu_blocks < 64
+    _, finished = fake_step(sched)
+    assert [g.request_id for g in finished] == ["a"]
+    assert sched.block_manager.all_free()
+    assert not sched.has_unfinished()
+
+
+def test_budgets_hold():
+    sched = make_scheduler(max_seqs=3, max_tokens=20)
+    for i in range(6):
+        sched.add(group(f"r{i}", 8, max_tokens=3, t=i))
+    while sched.has_unfinished():
+        out, _ = fake_step(sched)
+        assert len(out.scheduled) <= 3
+        assert out.num_batched_tokens <= 20
+        assert len(sched.running) <= 3
+
+
+def test_first_come_first_served_admission():
+    sched = make_scheduler(max_seqs=1)
+    for i in range(3):
+        sched.add(group(f"r{i}", 4, max_tokens=2, t=i))
+    order = []
+    while sched.has_unfinished():
+        out, _ = fake_step(sched)
+        order += [s.group.request_id for s in out.scheduled if s.is_prefill]
+    assert order == ["r0", "r1", "r2"]
+
+
+def test_preemption_swaps_newest_and_brings_it_back_first():
+    # 6 blocks of 4 tokens; two requests of 8 tokens growing to 16 cannot both fit.
+    sched = make_scheduler(num_blocks=6, block_size=4, max_tokens=64)
+    sched.add(group("old", 8, max_tokens=8, t=0))
+    sched.add(group("new", 8, max_tokens=8, t=1))
+    preempted = []
+    while sched.has_unfinished():
+        out, _ = fake_step(sched)
+        preempted += out.preempted
+        if out.blocks_to_swap_in:
+            assert sched.running[-1].request_id == "new"
+    assert preempted and set(preempted) == {"new"}
+    assert sched.num_preemptions["swap"] >= 1
+    assert sched.block_manager.all_free()
+
+
+def test_recompute_preemption_requeues_at_front():
+    sched = make_scheduler(num_blocks=6, block_size=4, mode="recompute")
+    sched.add(group("old", 8, max_tokens=8, t=0))
+    sched.add(group("new", 8, max_tokens=8, t=1))
+    sched.add(group("later", 2, max_tokens=1, t=2))
+    seen_recompute = False
+    while sched.has_unfinished():
+        out, _ = fake_step(sched)
+        if out.preempted:
+            seen_recompute = True
+            assert sched.waiting[0].request_id == "new"  # ahead of "later"
+            assert sched.waiting[0].seqs[0].num_computed_tokens == 0
+    assert seen_recompute and sched.num_preemptions["recompute"] >= 1
+    assert sched.block_manager.all_free()
+
+
+def test_abort_frees_blocks_in_any_queue():
+    sched = make_scheduler()
+    sched.add(group("a", 5, max_tokens=10))
+    sched.add(group("b", 5, max_tokens=10))
+    fake_step(sched)
+    sched.add(group("c", 5))
+    for rid in ("a", "c", "b"):
+        assert sched.abort(rid) is not None
+    assert sched.abort("unknown") is None
+    assert sched.block_manager.all_free()
+    assert not sched.has_unfinished()
