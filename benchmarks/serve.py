@@ -124,19 +124,21 @@ def compute_metrics(results: list[RequestResult], duration_s: float) -> dict:
 # Talking to the server
 # ---------------------------------------------------------------------------------------------
 
-def completion_body(model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
+def completion_body(model: str, prompt: str, max_tokens: int, ignore_eos: bool,
+                    extra: dict | None = None) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True  # a vLLM extension; dropped if the server rejects it
-    return body
+    return {**body, **(extra or {})}
 
 
 async def send_request(client: httpx.AsyncClient, base_url: str, model: str, prompt: Prompt,
-                       max_tokens: int, ignore_eos: bool) -> RequestResult:
+                       max_tokens: int, ignore_eos: bool, extra: dict | None = None
+                       ) -> RequestResult:
     """Send one streaming completion and time its chunks. Failures are results, not raises."""
     result = RequestResult(ok=False, prompt_tokens=prompt.num_tokens)
-    body = completion_body(model, prompt.text, max_tokens, ignore_eos)
+    body = completion_body(model, prompt.text, max_tokens, ignore_eos, extra)
     result.start = time.perf_counter()
     usage_tokens = None
     try:
@@ -169,12 +171,13 @@ async def send_request(client: httpx.AsyncClient, base_url: str, model: str, pro
     return result
 
 
-async def warm_up(client: httpx.AsyncClient, base_url: str, model: str, ignore_eos: bool) -> bool:
+async def warm_up(client: httpx.AsyncClient, base_url: str, model: str, ignore_eos: bool,
+                  extra: dict | None = None) -> bool:
     """Send one tiny request; with `ignore_eos`, return whether the server accepted it.
 
     Raises httpx errors if the server cannot be reached, or rejects even a plain request.
     """
-    body = {"model": model, "prompt": "Hello", "max_tokens": 1}
+    body = {"model": model, "prompt": "Hello", "max_tokens": 1, **(extra or {})}
     if ignore_eos:
         resp = await client.post(f"{base_url}/v1/completions", json={**body, "ignore_eos": True})
         if resp.status_code == 200:
@@ -266,10 +269,10 @@ async def run_at_rate(client: httpx.AsyncClient, args: argparse.Namespace, promp
     async def limited(prompt: Prompt) -> RequestResult:
         if sem is None:
             return await send_request(client, args.base_url, args.model, prompt,
-                                      args.max_tokens, ignore_eos)
+                                      args.max_tokens, ignore_eos, args.extra_body)
         async with sem:
             return await send_request(client, args.base_url, args.model, prompt,
-                                      args.max_tokens, ignore_eos)
+                                      args.max_tokens, ignore_eos, args.extra_body)
 
     tasks = []
     start = time.perf_counter()
@@ -302,7 +305,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         rng = random.Random(args.seed)
         lengths = sample_lengths(args.num_prompts, rng, prompt_budget)
         prompts = await build_prompts(lengths, source, counter, rng, prompt_budget)
-        ignore_eos = await warm_up(client, args.base_url, args.model, args.ignore_eos)
+        ignore_eos = await warm_up(client, args.base_url, args.model, args.ignore_eos,
+                                   args.extra_body)
         if args.ignore_eos and not ignore_eos:
             print("note: the server rejected ignore_eos; sending requests without it",
                   file=sys.stderr)
@@ -320,6 +324,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         "dataset": args.dataset or "builtin",
         "ignore_eos_requested": args.ignore_eos,
         "ignore_eos_sent": ignore_eos,
+        "extra_body": args.extra_body,
         "token_counting": counter.method,
         "prompt_tokens": {"mean": statistics.fmean(prompt_tokens), "min": min(prompt_tokens),
                           "p50": percentile(prompt_tokens, 50), "max": max(prompt_tokens)},
@@ -375,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-rates", help="a sweep, e.g. 1,2,4,inf (overrides --request-rate)")
     p.add_argument("--concurrency", type=int, default=0, help="max requests in flight (0: no limit)")
     p.add_argument("--dataset", help="a text file to cut prompts from (default: built-in corpus)")
+    p.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                   help="fields merged into every request body, for server-specific options")
     p.add_argument("--tokens-per-word", type=float, default=1.3,
                    help="estimate used when the server has no /tokenize")
     p.add_argument("--no-tokenize", action="store_true", help="do not use the server's /tokenize")

@@ -56,8 +56,9 @@ def test_prompt_lengths_follow_the_tokenizer(tmp_path):
 def test_server_rejecting_ignore_eos_and_without_tokenize(tmp_path, capsys):
     state = StubState(tokenize=False, accept_ignore_eos=False, ttft_s=0.0, token_s=0.001)
     with run_stub(state) as url:
-        rc, report = run(url, tmp_path, "--ignore-eos")
+        rc, report = run(url, tmp_path, "--ignore-eos", "--extra-body", '{"top_k": 1}')
     assert rc == 0
+    assert all(b["top_k"] == 1 for b in state.bodies)  # the warm-up too
     assert report["ignore_eos_requested"] is True and report["ignore_eos_sent"] is False
     assert report["token_counting"] == "estimated, 1.3 tokens/word"
     assert report["points"][0]["completed"] == 12
