@@ -1,0 +1,62 @@
+"""Fixtures for the observability tests: a headless Chromium page (skipped when unavailable)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+DASHBOARD_HTML = Path(__file__).resolve().parents[2] / "server" / "static" / "dashboard.html"
+
+
+def chromium_path() -> str | None:
+    """Debian's chromium (apt-get install chromium), or $CHROMIUM_PATH."""
+    for candidate in (os.environ.get("CHROMIUM_PATH"), "/usr/bin/chromium",
+                      shutil.which("chromium"), shutil.which("chromium-browser")):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """A headless Chromium driven by Python playwright; skips when either is missing."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    path = chromium_path()
+    if path is None:
+        pytest.skip("no chromium: apt-get install -y chromium")
+    with sync_api.sync_playwright() as playwright:
+        # NOTE: --no-sandbox because tests run as root here; the page is our own.
+        browser = playwright.chromium.launch(executable_path=path, headless=True,
+                                             args=["--no-sandbox", "--disable-gpu"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1200, "height": 900})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.js_errors = errors
+    yield page
+    context.close()
+
+
+@pytest.fixture
+def screenshot_dir(tmp_path) -> Path:
+    """Where screenshots go: $DASHBOARD_SCREENSHOT_DIR to keep them, else the test's tmp dir."""
+    keep = os.environ.get("DASHBOARD_SCREENSHOT_DIR")
+    path = Path(keep) if keep else tmp_path
+    path.mkdir(parents=True, exist_ok=True)
+    return path
