@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "backend",
+    "compiled_library",
     "copy_blocks",
     "gather_cached_kv",
     "paged_attention",
@@ -67,6 +68,14 @@ def backend() -> str:
         return "reference"
     logger.info("paged_serve ops: compiled %s kernels loaded from %s", kind.upper(), build_dir)
     return kind
+
+
+def compiled_library():
+    """The ``torch.ops.paged_serve`` namespace (for ``torch.library.opcheck`` in the tests);
+    raises if the compiled ops are not loaded."""
+    if backend() == "reference":
+        raise RuntimeError("the compiled paged_serve ops are not loaded (backend is 'reference')")
+    return torch.ops.paged_serve
 
 
 def _nvcc_available() -> bool:

@@ -1,0 +1,111 @@
+"""paged_attention (compiled CPU / CUDA) against the pure-torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuda_ext import ops, reference
+from kernel_cases import (
+    DEVICES, TOLERANCES, fill_caches, poisoned_caches, random_block_tables, require_compiled,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEAD_SIZES = [64, 128]
+BLOCK_SIZES = [1, 8, 16, 32]
+# (num_heads, num_kv_heads): GQA ratios 1, 3 (SmolLM2: 9 / 3) and 8.
+HEAD_LAYOUTS = [(4, 4), (9, 3), (16, 2)]
+# One batch mixes short, block-boundary, partition-boundary (512) and long contexts.
+CONTEXT_LENS = [1, 7, 16, 33, 511, 513, 1000, 2048]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled() -> None:
+    require_compiled()
+
+
+def run_both(query, key_cache, value_cache, block_tables, context_lens, scale):
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=query.device)
+    out = torch.empty_like(query)
+    expected = torch.empty_like(query)
+    ops.paged_attention(out, query, key_cache, value_cache, block_tables, lens, scale, max(context_lens))
+    reference.paged_attention(expected, query, key_cache, value_cache, block_tables, lens, scale,
+                              max(context_lens))
+    return out, expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+def test_matches_reference(device, dtype, head_size, block_size, heads):
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(hash((head_size, block_size, heads)) % 2**31)
+    num_blocks = sum(-(-n // block_size) for n in CONTEXT_LENS) + 3
+    key_cache, value_cache = poisoned_caches(num_blocks, num_kv_heads, block_size, head_size, dtype, device)
+    tables = random_block_tables(CONTEXT_LENS, block_size, num_blocks, gen)
+    fill_caches(key_cache, value_cache, tables, CONTEXT_LENS, gen)
+    query = torch.randn(len(CONTEXT_LENS), num_heads, head_size, generator=gen).to(dtype).to(device)
+
+    out, expected = run_both(query, key_cache, value_cache, tables.to(device), CONTEXT_LENS, head_size**-0.5)
+
+    assert not out.isnan().any(), "read a slot outside some sequence's context"
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_query_and_out(device):
+    """The engine slices q out of a fused qkv projection: query/out need not be contiguous."""
+    gen = torch.Generator().manual_seed(1)
+    lens = [5, 600]
+    key_cache, value_cache = poisoned_caches(60, 3, 16, 64, torch.float32, device)
+    tables = random_block_tables(lens, 16, 60, gen)
+    fill_caches(key_cache, value_cache, tables, lens, gen)
+    qkv = torch.randn(2, 15, 64, generator=gen).to(device)
+    query = qkv[:, :9]
+    out_wide = torch.zeros(2, 12, 64, device=device)
+    out = out_wide[:, 1:10]
+    expected = torch.empty(2, 9, 64, device=device)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    ops.paged_attention(out, query, key_cache, value_cache, tables.to(device), lens_t, 0.125, 600)
+    reference.paged_attention(expected, query, key_cache, value_cache, tables.to(device), lens_t, 0.125, 600)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+    assert (out_wide[:, 0] == 0).all() and (out_wide[:, 10:] == 0).all(), "wrote outside out"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_context_gives_zeros(device):
+    key_cache, value_cache = poisoned_caches(4, 2, 8, 64, torch.float32, device)
+    tables = torch.zeros(2, 1, dtype=torch.int32, device=device)
+    key_cache[0, :, :3] = 1.0
+    value_cache[0, :, :3] = 2.0
+    query = torch.randn(2, 4, 64, device=device)
+    out = torch.full_like(query, 7.0)
+    lens = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    ops.paged_attention(out, query, key_cache, value_cache, tables, lens, 0.125, 3)
+    assert (out[0] == 0).all()
+    torch.testing.assert_close(out[1], torch.full_like(out[1], 2.0))
+
+
+def test_head_size_outside_instantiations_runs_on_cpu():
+    """The CPU kernel has a generic path for head sizes it does not specialise."""
+    gen = torch.Generator().manual_seed(2)
+    lens = [3, 40]
+    key_cache, value_cache = poisoned_caches(10, 2, 8, 80, torch.bfloat16, "cpu")
+    tables = random_block_tables(lens, 8, 10, gen)
+    fill_caches(key_cache, value_cache, tables, lens, gen)
+    query = torch.randn(2, 6, 80, generator=gen).bfloat16()
+    out, expected = run_both(query, key_cache, value_cache, tables, lens, 80**-0.5)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.bfloat16])
+
+
+def test_opcheck():
+    gen = torch.Generator().manual_seed(3)
+    lens = [9, 20]
+    key_cache, value_cache = poisoned_caches(8, 2, 8, 64, torch.float32, "cpu")
+    tables = random_block_tables(lens, 8, 8, gen)
+    fill_caches(key_cache, value_cache, tables, lens, gen)
+    args = (torch.empty(2, 4, 64), torch.randn(2, 4, 64, generator=gen), key_cache, value_cache, tables,
+            torch.tensor(lens, dtype=torch.int32), 0.125, 20)
+    torch.library.opcheck(ops.compiled_library().paged_attention.default, args)
