@@ -30,7 +30,8 @@ def test_sweep_with_server_tokenizer_and_concurrency_limit(tmp_path, capsys):
     for p in report["points"]:
         assert (p["completed"], p["failed"], p["total_output_tokens"]) == (12, 0, 48)
         assert p["ttft_ms"]["p50"] >= 20  # the stub waits 20 ms before the first chunk
-        assert p["tpot_ms"]["p50"] >= 5 and p["itl_ms"]["p50"] >= 5
+        # NOTE: no lower bound on gaps: on a loaded machine chunks can arrive together
+        assert p["tpot_ms"]["p50"] is not None and p["itl_ms"]["p99"] >= p["itl_ms"]["p50"] >= 0
         assert p["e2e_ms"]["p99"] >= p["e2e_ms"]["p50"] >= p["ttft_ms"]["p50"]
         assert p["request_throughput"] > 0 and p["output_throughput"] > 0
     assert state.peak_in_flight <= 3
