@@ -1,0 +1,323 @@
+"""Turning one step's logits into one token per sequence.
+
+The order follows vLLM: logit bias, the engine's forbidden tokens (min_tokens), repetition
+penalty, frequency and presence penalties; then greedy argmax, or temperature, top-k, top-p,
+min-p and a draw. Every transform works on a whole group of rows at once; Python loops run over
+rows, never over the vocabulary.
+
+Logprobs are always the raw model's (log_softmax of the logits as the model produced them),
+whatever the sampling settings did to the distribution the token was drawn from.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingRow:
+    """One sequence's row of the logits and what the sampler needs to know about it."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # Per-sequence generator seeded from params.seed; None draws from the global RNG.
+    generator: torch.Generator | None = None
+    # Token ids forbidden this step (the engine passes EOS + stop_token_ids while
+    # len(output) < min_tokens). Ids outside the vocabulary are ignored.
+    masked_token_ids: set[int] | frozenset[int] = frozenset()
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float  # raw model log-probability of token_id
+    rank: int  # 1-based rank of token_id in the raw distribution
+    # The params.logprobs most likely raw tokens, best first; None when params.logprobs is None.
+    top_logprobs: list[tuple[int, float]] | None
+
+
+class Sampler:
+    """Stateless: all per-request state (seeded generators, token history) comes in the rows."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        """Sample one token per row. `logits` is [len(rows), vocab] and is never modified."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
+        if not rows:
+            return []
+        adjusted = self._adjusted(logits, rows, copy=False)
+
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        if greedy:
+            # NOTE: torch.argmax picks the first maximum, exactly as HF greedy decoding does.
+            token_ids[_index(greedy, logits.device)] = _rows(adjusted, greedy).argmax(dim=-1)
+        if random:
+            probs = _sampling_probs(_rows(adjusted, random), [rows[i].params for i in random])
+            token_ids[_index(random, logits.device)] = _draw(probs, [rows[i].generator for i in random])
+        return _results(logits, token_ids, rows)
+
+    def adjusted_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """A float32 copy of `logits` with logit bias, masked tokens and penalties applied.
+
+        Greedy decoding takes the argmax of this; beam search can score its log_softmax.
+        """
+        return self._adjusted(logits, rows, copy=True)
+
+    @staticmethod
+    def _adjusted(logits: torch.Tensor, rows: list[SamplingRow], copy: bool) -> torch.Tensor:
+        # Without anything to apply, hand back the caller's tensor itself (read-only from here).
+        if not copy and not any(_edits(r) for r in rows) and logits.dtype == torch.float32:
+            return logits
+        out = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+        vocab = out.shape[1]
+        _apply_logit_bias(out, rows, vocab)
+        _apply_masks(out, rows, vocab)
+        _apply_repetition_penalty(out, rows, vocab)
+        _apply_frequency_presence(out, rows, vocab)
+        return out
+
+
+def _edits(row: SamplingRow) -> bool:
+    """Whether any logits processor changes this row."""
+    p = row.params
+    return bool(
+        p.logit_bias
+        or row.masked_token_ids
+        or p.repetition_penalty != 1.0
+        or ((p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and row.output_token_ids)
+    )
+
+
+def top_candidates(logprobs_row: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The k most likely (token id, logprob) pairs of a 1-D row, best first (for beam search)."""
+    if k <= 0:
+        return []
+    k = min(k, logprobs_row.shape[-1])
+    values, ids = torch.topk(logprobs_row.float(), k)
+    return list(zip(ids.tolist(), values.tolist()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Logit processors: each takes the float32 [rows, vocab] tensor and edits it in place.
+
+
+def _index(ids: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _flat_token_ids(token_lists: list[list[int]], row_ids: list[int], vocab: int, device) -> torch.Tensor:
+    """Positions `row * vocab + token` in a flattened [rows, vocab] tensor, one per listed token
+    (repeats kept); ids outside [0, vocab) are dropped."""
+    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
+    # NOTE: array('q') converts a long list of ints about twice as fast as torch.tensor(list).
+    flat = array("q", chain.from_iterable(token_lists))
+    if not flat:
+        return torch.empty(0, dtype=torch.long, device=device)
+    tokens = torch.frombuffer(flat, dtype=torch.long)
+    rows = torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.long), lengths)
+    valid = (tokens >= 0) & (tokens < vocab)
+    return (rows[valid] * vocab + tokens[valid]).to(device)
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> None:
+    r_idx, t_idx, vals = [], [], []
+    for i, row in enumerate(rows):
+        for tok, bias in row.params.logit_bias.items():
+            if 0 <= tok < vocab:
+                r_idx.append(i)
+                t_idx.append(tok)
+                vals.append(bias)
+    if r_idx:
+        dev = logits.device
+        # NOTE: index_put_ with accumulate so a bias adds to the logit rather than replacing it.
+        logits.index_put_(
+            (_index(r_idx, dev), _index(t_idx, dev)),
+            torch.tensor(vals, dtype=logits.dtype, device=dev),
+            accumulate=True,
+        )
+
+
+def _apply_masks(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> None:
+    r_idx, t_idx = [], []
+    for i, row in enumerate(rows):
+        for tok in row.masked_token_ids:
+            if 0 <= tok < vocab:
+                r_idx.append(i)
+                t_idx.append(tok)
+    if r_idx:
+        logits[_index(r_idx, logits.device), _index(t_idx, logits.device)] = _NEG_INF
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> None:
+    """HF/CTRL: for every distinct token seen in prompt or output, divide a positive logit by
+    the penalty and multiply a negative one by it."""
+    sel = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if not sel:
+        return
+    # NOTE: sparse over the seen (row, token) pairs, never a dense [rows, vocab] pass. A token
+    # seen twice appears twice in `pos`; both writes store the same value, computed from the
+    # original logit, so it is penalised once.
+    flat = logits.view(-1)
+    pos = _flat_token_ids([rows[i].prompt_token_ids + rows[i].output_token_ids for i in sel], sel, vocab, logits.device)
+    penalty = _per_row(rows, lambda p: p.repetition_penalty, logits)[pos // vocab]
+    seen = flat[pos]
+    flat[pos] = torch.where(seen > 0, seen / penalty, seen * penalty)
+
+
+def _apply_frequency_presence(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> None:
+    """OpenAI: logit -= frequency_penalty * count + presence_penalty * (count > 0), counting
+    only generated tokens."""
+    sel = [
+        i
+        for i, r in enumerate(rows)
+        if (r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0) and r.output_token_ids
+    ]
+    if not sel:
+        return
+    flat = logits.view(-1)
+    pos = _flat_token_ids([rows[i].output_token_ids for i in sel], sel, vocab, logits.device)
+    row = pos // vocab
+    # Presence: a plain write, so repeats of a token store the same value (subtracted once);
+    # frequency: an accumulating add, once per occurrence.
+    flat[pos] = flat[pos] - _per_row(rows, lambda p: p.presence_penalty, logits)[row]
+    flat.index_add_(0, pos, -_per_row(rows, lambda p: p.frequency_penalty, logits)[row])
+
+
+def _per_row(rows: list[SamplingRow], field, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([field(r.params) for r in rows], dtype=like.dtype, device=like.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random sampling: temperature, top-k, top-p, min-p, then one draw per row.
+
+# Top-p first looks for the nucleus among this many best tokens and sorts the whole row only
+# when their mass falls short of top_p (rare): a full sort of a 49k vocabulary is ~20x slower.
+_TOP_P_CANDIDATES = 256
+
+
+def _sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Probabilities to draw from, for rows that do not decode greedily. Never edits `logits`."""
+    dev, vocab = logits.device, logits.shape[1]
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    logits = logits / temps[:, None]  # a fresh tensor: everything below edits it in place
+
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    sel = [i for i, k in enumerate(top_k) if k < vocab]
+    if sel:
+        ks = torch.tensor([top_k[i] for i in sel], dtype=torch.long, device=dev)
+        sub = _rows(logits, sel)
+        kth = torch.topk(sub, int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])
+        # NOTE: tokens tied with the k-th value survive, as in HF and vLLM.
+        _set_rows(logits, sel, sub.masked_fill_(sub < kth, _NEG_INF))
+
+    sel = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if sel:
+        top_p = torch.tensor([params[i].top_p for i in sel], dtype=torch.float32, device=dev)
+        sub = _rows(logits, sel)
+        cut = _top_p_cutoff(sub, top_p)
+        _set_rows(logits, sel, sub.masked_fill_(sub < cut, _NEG_INF))
+
+    sel = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if sel:
+        min_p = torch.tensor([params[i].min_p for i in sel], dtype=torch.float32, device=dev)
+        sub = _rows(logits, sel)
+        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
+        cut = sub.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+        _set_rows(logits, sel, sub.masked_fill_(sub < cut, _NEG_INF))
+
+    return logits.softmax(dim=-1)
+
+
+def _rows(t: torch.Tensor, sel: list[int]) -> torch.Tensor:
+    """The selected rows as a tensor that may be edited in place (a view when it is all rows)."""
+    return t if len(sel) == t.shape[0] else t[_index(sel, t.device)]
+
+
+def _set_rows(t: torch.Tensor, sel: list[int], values: torch.Tensor) -> None:
+    if values is not t:
+        t[_index(sel, t.device)] = values
+
+
+def _top_p_cutoff(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[rows, 1] logit cutoffs: the nucleus is the smallest set of best tokens whose mass
+    reaches top_p; tokens below the cutoff are dropped, ties with the last kept token stay."""
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    k = min(_TOP_P_CANDIDATES, logits.shape[1])
+    values = torch.topk(logits, k, dim=-1).values
+    cut, covered = _cutoff_in(values, (values - lse).exp(), top_p)
+    if not bool(covered.all()):
+        missing = (~covered).nonzero()[:, 0]
+        values = logits[missing].sort(dim=-1, descending=True).values
+        cut[missing] = _cutoff_in(values, (values - lse[missing]).exp(), top_p[missing])[0]
+    return cut
+
+
+def _cutoff_in(sorted_logits, sorted_probs, top_p):
+    cumulative = sorted_probs.cumsum(dim=-1)
+    # A token stays while the mass of the better tokens is still short of top_p; the best
+    # token always stays (nothing precedes it).
+    keep = ((cumulative - sorted_probs) < top_p[:, None]).sum(dim=-1, keepdim=True)
+    covered = cumulative[:, -1] >= top_p
+    return sorted_logits.gather(1, keep - 1), covered
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row by inverting the CDF at one uniform number per row.
+
+    A seeded row takes its number from its own generator, so its tokens depend only on its own
+    probabilities and seed, never on the rest of the batch. A token of probability 0 adds
+    nothing to the CDF, so the search can never land on it.
+    """
+    u = torch.empty(len(generators), dtype=torch.float32)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded))
+    for i, g in enumerate(generators):
+        if g is not None:
+            # Drawn on the generator's own device, so a CPU generator also serves CUDA logits.
+            u[i] = torch.rand(1, generator=g, device=g.device).item()
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # NOTE: u < 1, but u * total may round up to total; stay strictly below it.
+    target = torch.minimum(u.to(probs.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logprobs of the sampled tokens (raw distribution).
+
+
+def _results(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+    """Raw logprob and rank of each sampled token, and the requested top alternatives."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = logits.gather(1, token_ids[:, None])
+    ranks = (logits > chosen).sum(dim=-1, dtype=torch.int32) + 1
+    chosen_logprobs = (chosen - lse)[:, 0].tolist()
+
+    want = [r.params.logprobs or 0 for r in rows]
+    k = min(max(want), logits.shape[1])
+    top_ids = top_vals = None
+    if k > 0:
+        values, ids = torch.topk(logits, k, dim=-1)
+        top_vals, top_ids = (values - lse).tolist(), ids.tolist()
+
+    results = []
+    for i, (tok, lp, rank) in enumerate(zip(token_ids.tolist(), chosen_logprobs, ranks.tolist())):
+        n = rows[i].params.logprobs
+        top = None
+        if n is not None:
+            top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n > 0 else []
+        results.append(SampleResult(token_id=tok, logprob=lp, rank=rank, top_logprobs=top))
+    return results
