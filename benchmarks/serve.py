@@ -3,7 +3,8 @@
 Prompts are cut from a built-in corpus (or `--dataset FILE`) to lengths drawn from the skewed
 distribution of benchmarks/workload.py, scaled so that prompt + `--max-tokens` fits in
 `--max-model-len`. Lengths are in tokens counted by the server's POST /tokenize when it has
-one, otherwise estimated from words (`--tokens-per-word`). Requests arrive all at once
+one, otherwise estimated from words, at a tokens-per-word ratio taken from the usage of one
+1-token completion (or `--tokens-per-word`); token totals come from the server's usage. Requests arrive all at once
 (`--request-rate inf`) or as a Poisson process at a given rate, at most `--concurrency` in
 flight. The same prompts are sent at every rate of a sweep (`--request-rates 1,2,4,inf`).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -161,6 +163,8 @@ async def send_request(client: httpx.AsyncClient, base_url: str, model: str, pro
                     result.chunk_times.append(time.perf_counter())
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
+                    # the server's own prompt count beats our estimate
+                    result.prompt_tokens = chunk["usage"].get("prompt_tokens", result.prompt_tokens)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:200]
         return result
@@ -188,25 +192,37 @@ async def warm_up(client: httpx.AsyncClient, base_url: str, model: str, ignore_e
 
 
 class TokenCounter:
-    """Counts prompt tokens with the server's POST /tokenize, or estimates them from words."""
+    """Counts prompt tokens with the server's POST /tokenize, or estimates them from words.
 
-    def __init__(self, client: httpx.AsyncClient | None, base_url: str, model: str,
-                 tokens_per_word: float):
+    Without /tokenize the tokens-per-word ratio is calibrated from the `usage.prompt_tokens`
+    of one 1-token completion of a sample text, or else `tokens_per_word` is assumed.
+    """
+
+    SAMPLE_WORDS = 400
+
+    def __init__(self, client: httpx.AsyncClient, base_url: str, model: str,
+                 tokens_per_word: float, extra: dict | None = None):
         self.client, self.base_url, self.model = client, base_url, model
         self.tokens_per_word = tokens_per_word
-        self.uses_server = False
+        self.extra = extra or {}
+        self.source = "assumed"  # how tokens are counted: "tokenize", "usage" or "assumed"
 
     async def detect(self) -> None:
-        """Use the server's /tokenize if it answers with a count; measure tokens per word."""
-        if self.client is None:
-            return
+        """Find the best way to count; never raises for a server that lacks an endpoint."""
+        sample = TextSource.builtin(seed=12345, num_words=self.SAMPLE_WORDS).text(0, self.SAMPLE_WORDS)
         try:
-            sample = TextSource.builtin(seed=12345, num_words=400).text(0, 400)
             n = await self._server_count(sample)
+            self.source = "tokenize"
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            return
-        self.uses_server = True
-        self.tokens_per_word = n / 400
+            try:
+                resp = await self.client.post(f"{self.base_url}/v1/completions", json={
+                    "model": self.model, "prompt": sample, "max_tokens": 1, **self.extra})
+                resp.raise_for_status()
+                n = int(resp.json()["usage"]["prompt_tokens"])
+                self.source = "usage"
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return
+        self.tokens_per_word = n / self.SAMPLE_WORDS
 
     async def _server_count(self, text: str) -> int:
         resp = await self.client.post(f"{self.base_url}/tokenize",
@@ -216,15 +232,16 @@ class TokenCounter:
         return int(data["count"]) if "count" in data else len(data["tokens"])
 
     async def count(self, text: str) -> int:
-        if self.uses_server:
+        if self.source == "tokenize":
             return await self._server_count(text)
         return max(1, round(len(text.split()) * self.tokens_per_word))
 
     @property
     def method(self) -> str:
-        if self.uses_server:
+        if self.source == "tokenize":
             return "server /tokenize"
-        return f"estimated, {self.tokens_per_word:g} tokens/word"
+        how = "from usage" if self.source == "usage" else "assumed"
+        return f"estimated, {self.tokens_per_word:.3g} tokens/word ({how})"
 
 
 async def build_prompts(lengths: list[int], source: TextSource, counter: TokenCounter,
@@ -243,7 +260,7 @@ async def build_prompts(lengths: list[int], source: TextSource, counter: TokenCo
             words = max(1, round(target / counter.tokens_per_word))
             text = source.text(offset, words)
             n = await counter.count(text)
-            if counter.uses_server and abs(n - target) > 0.05 * target:
+            if counter.source == "tokenize" and abs(n - target) > 0.05 * target:
                 words = max(1, round(words * target / max(n, 1)))
                 text = source.text(offset, words)
                 n = await counter.count(text)
@@ -267,10 +284,7 @@ async def run_at_rate(client: httpx.AsyncClient, args: argparse.Namespace, promp
     sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
 
     async def limited(prompt: Prompt) -> RequestResult:
-        if sem is None:
-            return await send_request(client, args.base_url, args.model, prompt,
-                                      args.max_tokens, ignore_eos, args.extra_body)
-        async with sem:
+        async with sem or contextlib.nullcontext():
             return await send_request(client, args.base_url, args.model, prompt,
                                       args.max_tokens, ignore_eos, args.extra_body)
 
@@ -297,7 +311,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        counter = TokenCounter(client, args.base_url, args.model, args.tokens_per_word)
+        counter = TokenCounter(client, args.base_url, args.model, args.tokens_per_word,
+                               args.extra_body)
         if not args.no_tokenize:
             await counter.detect()
         source = (TextSource.from_file(args.dataset) if args.dataset
@@ -383,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
                    help="fields merged into every request body, for server-specific options")
     p.add_argument("--tokens-per-word", type=float, default=1.3,
-                   help="estimate used when the server has no /tokenize")
+                   help="assumed when the server has neither /tokenize nor completion usage")
     p.add_argument("--no-tokenize", action="store_true", help="do not use the server's /tokenize")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")

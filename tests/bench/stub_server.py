@@ -26,6 +26,7 @@ from starlette.routing import Route
 class StubState:
     tokenize: bool = True  # serve POST /tokenize
     accept_ignore_eos: bool = True  # False: answer 400 to any request carrying ignore_eos
+    usage: bool = True  # report usage in non-streaming answers
     ttft_s: float = 0.02  # delay before the first chunk
     token_s: float = 0.005  # delay between chunks
     bodies: list[dict] = field(default_factory=list)  # every completion request body
@@ -45,8 +46,12 @@ def make_app(state: StubState) -> Starlette:
             return JSONResponse({"error": {"message": "unknown field ignore_eos"}}, status_code=400)
         n = int(body.get("max_tokens", 16))
         if not body.get("stream"):
-            return JSONResponse({"object": "text_completion", "choices": [
-                {"index": 0, "text": " tok" * n, "finish_reason": "length"}]})
+            answer = {"object": "text_completion", "choices": [
+                {"index": 0, "text": " tok" * n, "finish_reason": "length"}]}
+            if state.usage:
+                p = count_tokens(body["prompt"])
+                answer["usage"] = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+            return JSONResponse(answer)
 
         async def events():
             state.in_flight += 1

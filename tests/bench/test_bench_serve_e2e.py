@@ -61,9 +61,22 @@ def test_server_rejecting_ignore_eos_and_without_tokenize(tmp_path, capsys):
     assert rc == 0
     assert all(b["top_k"] == 1 for b in state.bodies)  # the warm-up too
     assert report["ignore_eos_requested"] is True and report["ignore_eos_sent"] is False
-    assert report["token_counting"] == "estimated, 1.3 tokens/word"
+    # calibrated from the usage of one completion of the 400-word sample
+    assert report["token_counting"].endswith("tokens/word (from usage)")
+    assert report["token_counting"] != "estimated, 1.3 tokens/word (from usage)"
     assert report["points"][0]["completed"] == 12
     assert "rejected ignore_eos" in capsys.readouterr().err
+    # input totals are the server's usage counts, not our estimates
+    streamed = [b for b in state.bodies if b.get("stream")]
+    assert report["points"][0]["total_input_tokens"] == sum(count_tokens(b["prompt"]) for b in streamed)
+
+
+def test_no_tokenize_and_no_usage_assumes_a_ratio(tmp_path):
+    state = StubState(tokenize=False, usage=False, ttft_s=0.0, token_s=0.0)
+    with run_stub(state) as url:
+        rc, report = run(url, tmp_path, "--tokens-per-word", "1.5")
+    assert rc == 0
+    assert report["token_counting"] == "estimated, 1.5 tokens/word (assumed)"
 
 
 def test_unreachable_server_fails_before_the_run(tmp_path):
