@@ -4,9 +4,9 @@ Prompts are cut from a built-in corpus (or `--dataset FILE`) to lengths drawn fr
 distribution of benchmarks/workload.py, scaled so that prompt + `--max-tokens` fits in
 `--max-model-len`. Lengths are in tokens counted by the server's POST /tokenize when it has
 one, otherwise estimated from words, at a tokens-per-word ratio taken from the usage of one
-1-token completion (or `--tokens-per-word`); token totals come from the server's usage. Requests arrive all at once
-(`--request-rate inf`) or as a Poisson process at a given rate, at most `--concurrency` in
-flight. The same prompts are sent at every rate of a sweep (`--request-rates 1,2,4,inf`).
+1-token completion (or `--tokens-per-word`); token totals come from the server's usage.
+Requests arrive all at once (`--request-rate inf`) or as a Poisson process at a given rate,
+at most `--concurrency` in flight. The same prompts are sent at every rate of a sweep (`--request-rates 1,2,4,inf`).
 
     python -m benchmarks.serve --base-url http://127.0.0.1:8000 --model M \\
         --num-prompts 200 --max-tokens 128 --ignore-eos --request-rates 1,2,4,inf --json r.json
@@ -363,6 +363,7 @@ def format_table(report: dict) -> str:
              f"max_tokens {report['max_tokens']}, ignore_eos {report['ignore_eos_sent']}; "
              "latencies in ms",
              "".join(f"{name:>{w}}" for name, w in cols)]
+
     def num(x: float | None, digits: int = 1) -> str:
         return "-" if x is None else f"{x:.{digits}f}"
 
@@ -399,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fields merged into every request body, for server-specific options")
     p.add_argument("--tokens-per-word", type=float, default=1.3,
                    help="assumed when the server has neither /tokenize nor completion usage")
-    p.add_argument("--no-tokenize", action="store_true", help="do not use the server's /tokenize")
+    p.add_argument("--no-tokenize", action="store_true", help="ask the server nothing: assume --tokens-per-word")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--label", help="series name in the JSON and in plot_serve.py")
