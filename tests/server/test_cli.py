@@ -1,0 +1,66 @@
+"""Flags, the YAML config and their precedence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from server.cli import parse_args
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_serve_the_default_model_on_loopback_8000(monkeypatch):
+    monkeypatch.delenv("PAGED_SERVE_API_KEY", raising=False)
+    cli = parse_args([])
+    assert (cli.settings.host, cli.settings.port, cli.settings.api_key) == ("127.0.0.1", 8000, None)
+    assert cli.engine_args.model is None and cli.engine_args.block_size == 16
+
+
+def test_vllm_flags_reach_engine_args():
+    cli = parse_args(["some/model", "--max-model-len", "1024", "--block-size", "8", "--max-num-seqs", "4",
+                      "--max-num-batched-tokens", "4096", "--kv-cache-memory", "2GiB", "--swap-space", "2",
+                      "--gpu-memory-utilization", "0.5", "--served-model-name", "m", "--seed", "7",
+                      "--no-enable-prefix-caching", "--preemption-mode", "recompute"])
+    a = cli.engine_args
+    assert (a.model, a.max_model_len, a.block_size, a.max_num_seqs, a.max_num_batched_tokens) == (
+        "some/model", 1024, 8, 4, 4096)
+    assert (a.kv_cache_memory, a.swap_space, a.gpu_memory_utilization, a.served_model_name, a.seed) == (
+        "2GiB", 2.0, 0.5, "m", 7)
+    assert a.enable_prefix_caching is False and a.preemption_mode == "recompute"
+
+
+def test_server_flags(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGED_SERVE_API_KEY", "from-env")
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}")
+    cli = parse_args(["--allowed-origins", '["http://a", "http://b"]', "--chat-template", str(template),
+                      "--max-logprobs", "5", "--metrics-public", "--max-queued-requests", "10",
+                      "--max-request-body-bytes", "1MiB"])
+    s = cli.settings
+    assert s.api_key == "from-env" and s.allowed_origins == ("http://a", "http://b")
+    assert s.chat_template == "{{ messages }}" and s.max_logprobs == 5 and s.metrics_public
+    assert s.max_queued_requests == 10 and s.max_request_body_bytes == 1024**2
+    assert parse_args(["--api-key", "flag"]).settings.api_key == "flag"
+
+
+def test_yaml_config_and_flag_precedence(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("port: 9001\nmax-model-len: 512\nblock_size: 32\napi-key: k\n")
+    cli = parse_args(["--config", str(config), "--port", "9002"])
+    assert cli.settings.port == 9002 and cli.settings.api_key == "k"
+    assert cli.engine_args.max_model_len == 512 and cli.engine_args.block_size == 32
+
+
+def test_shipped_config_parses():
+    cli = parse_args(["--config", str(REPO / "configs/server.yaml")])
+    assert cli.settings.port == 8000
+
+
+def test_unknown_yaml_key_is_an_error(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("prot: 1\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(config)])
+    assert "unknown setting 'prot'" in capsys.readouterr().err
