@@ -65,7 +65,7 @@ class Sampler:
         if random:
             probs = _sampling_probs(_rows(adjusted, random), [rows[i].params for i in random])
             token_ids[_index(random, logits.device)] = _draw(probs, [rows[i].generator for i in random])
-        return _results(logits, token_ids, rows)
+        return score_tokens(logits, token_ids, [r.params.logprobs for r in rows])
 
     def adjusted_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """A float32 copy of `logits` with logit bias, masked tokens and penalties applied.
@@ -295,19 +295,29 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
 
 
 # ---------------------------------------------------------------------------------------------
-# Logprobs of the sampled tokens (raw distribution).
+# Logprobs of given tokens under the raw distribution.
 
 
-def _results(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
-    """Raw logprob and rank of each sampled token, and the requested top alternatives."""
+def score_tokens(
+    logits: torch.Tensor, token_ids: torch.Tensor | list[int], num_top: list[int | None] | int | None = None
+) -> list[SampleResult]:
+    """Raw logprob, rank and top alternatives of given tokens, one per row of `logits`.
+
+    The sampler uses it for what it drew; the engine can use it for prompt logprobs (row i of
+    the prompt's logits scores prompt token i + 1). `num_top` is per row or one for all: None
+    gives top_logprobs=None, 0 an empty list.
+    """
     logits = logits.float()
+    rows = logits.shape[0]
+    if not isinstance(num_top, list):
+        num_top = [num_top] * rows
+    token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=logits.device)
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     chosen = logits.gather(1, token_ids[:, None])
     ranks = (logits > chosen).sum(dim=-1, dtype=torch.int32) + 1
     chosen_logprobs = (chosen - lse)[:, 0].tolist()
 
-    want = [r.params.logprobs or 0 for r in rows]
-    k = min(max(want), logits.shape[1])
+    k = min(max((n or 0) for n in num_top), logits.shape[1]) if rows else 0
     top_ids = top_vals = None
     if k > 0:
         values, ids = torch.topk(logits, k, dim=-1)
@@ -315,7 +325,7 @@ def _results(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingR
 
     results = []
     for i, (tok, lp, rank) in enumerate(zip(token_ids.tolist(), chosen_logprobs, ranks.tolist())):
-        n = rows[i].params.logprobs
+        n = num_top[i]
         top = None
         if n is not None:
             top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n > 0 else []

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import Sampler, SamplingRow, _sampling_probs, top_candidates
+from engine.sampler import Sampler, SamplingRow, _sampling_probs, score_tokens, top_candidates
 from engine.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -48,6 +48,16 @@ def test_logits_are_not_modified(sampler):
     sampler(logits[3:], rows[3:])  # an all-random batch with nothing to adjust takes the fast path
     sampler(logits[:1], [row(temperature=0.0)])
     assert torch.equal(logits, before)
+
+
+def test_non_contiguous_logits(sampler):
+    """A runner may hand over a slice of a padded vocabulary."""
+    padded = random_logits(3, vocab=VOCAB + 8)
+    logits = padded[:, :VOCAB]
+    rows = [row(temperature=0.0, prompt=[1, 2], repetition_penalty=1.2), row(temperature=0.0), row(seed=1, top_p=0.5)]
+    out = sampler(logits, rows)
+    assert out[1].token_id == int(logits[1].argmax())
+    assert all(r.token_id < VOCAB for r in out)
 
 
 def test_shape_mismatch_is_rejected(sampler):
@@ -305,6 +315,21 @@ def test_logprobs_of_half_precision_logits(sampler):
     assert out[0].token_id == int(logits[0].float().argmax())
     assert out[0].top_logprobs[0][0] == out[0].token_id
     assert all(math.isfinite(r.logprob) and r.logprob <= 0 for r in out)
+
+
+def test_score_tokens_for_prompt_logprobs():
+    logits = random_logits(5, vocab=100, seed=9)
+    raw = torch.log_softmax(logits, -1)
+    tokens = [3, 50, 99, 0, int(logits[4].argmax())]
+    scored = score_tokens(logits, tokens, 2)
+    for i, s in enumerate(scored):
+        assert s.token_id == tokens[i]
+        assert s.logprob == pytest.approx(raw[i, tokens[i]].item(), abs=1e-5)
+        assert s.rank == int((raw[i] > raw[i, tokens[i]]).sum()) + 1
+        assert [t for t, _ in s.top_logprobs] == raw[i].topk(2).indices.tolist()
+    assert scored[4].rank == 1
+    assert all(s.top_logprobs is None for s in score_tokens(logits, tokens))
+    assert score_tokens(logits[:0], []) == []
 
 
 def test_top_candidates():
