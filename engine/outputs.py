@@ -46,6 +46,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: "RequestMetrics | None" = None
+    error: str | None = None  # set when this request failed inside the engine (the server answers 500)
 
 
 @dataclass

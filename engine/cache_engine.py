@@ -1,0 +1,79 @@
+"""Owns the KV tensors: the device pool that attention reads, and the CPU swap pool.
+
+Both are allocated once at start-up. Per layer, K and V are block-major tensors
+`[num_blocks, num_kv_heads, block_size, head_size]`, the layout `cuda_ext.ops` expects.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from cuda_ext import ops
+from engine.config import CacheConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, tp_size: int = 1) -> int:
+    """K and V of one block across all layers (this rank's KV heads)."""
+    elem = torch.tensor([], dtype=model.dtype).element_size()
+    return 2 * model.num_layers * (model.num_kv_heads // tp_size) * block_size * model.head_size * elem
+
+
+def num_blocks_from_budget(
+    model: ModelConfig, cache: CacheConfig, device: torch.device, weights_bytes: int = 0, tp_size: int = 1
+) -> tuple[int, int]:
+    """(device blocks, CPU swap blocks) that the memory budget allows."""
+    per_block = bytes_per_block(model, cache.block_size, tp_size)
+    if cache.num_gpu_blocks_override is not None:
+        num_gpu = cache.num_gpu_blocks_override
+    elif device.type == "cuda":
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        used_by_others = total - free
+        budget = total * cache.gpu_memory_utilization - used_by_others - 512 * 1024**2  # activations
+        num_gpu = int(budget // per_block)
+    else:
+        num_gpu = int((cache.kv_cache_memory or 1024**3) // per_block)
+    num_cpu = int(cache.swap_space // per_block)
+    if num_gpu < 1:
+        raise ValueError("the KV cache memory budget is too small for a single block")
+    return num_gpu, num_cpu
+
+
+class CacheEngine:
+    def __init__(self, model: ModelConfig, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 device: torch.device, tp_size: int = 1):
+        self.block_size = block_size
+        self.device = device
+        shape = (model.num_kv_heads // tp_size, block_size, model.head_size)
+        L = model.num_layers
+        # One allocation per pool; per-layer K and V are contiguous views of it.
+        self.gpu_kv = torch.zeros((2, L, num_gpu_blocks) + shape, dtype=model.dtype, device=device)
+        pin = device.type == "cuda"
+        self.cpu_kv = torch.zeros((2, L, max(num_cpu_blocks, 0)) + shape, dtype=model.dtype, pin_memory=pin)
+        self.kv_caches = [(self.gpu_kv[0, i], self.gpu_kv[1, i]) for i in range(L)]
+        self.cpu_caches = [(self.cpu_kv[0, i], self.cpu_kv[1, i]) for i in range(L)]
+        self.bytes_per_block = bytes_per_block(model, block_size, tp_size)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self._swap(self.kv_caches, self.cpu_caches, pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self._swap(self.cpu_caches, self.kv_caches, pairs)
+
+    def _swap(self, src_caches, dst_caches, pairs) -> None:
+        if not pairs:
+            return
+        mapping = torch.tensor(pairs, dtype=torch.int64)
+        for (sk, sv), (dk, dv) in zip(src_caches, dst_caches):
+            ops.swap_blocks(sk, dk, mapping)
+            ops.swap_blocks(sv, dv, mapping)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
+        ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)

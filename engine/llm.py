@@ -1,0 +1,65 @@
+"""The offline API: `LLM(model=None).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from engine.config import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Runs prompts to completion with continuous batching. `model=None` is the default model;
+    other keyword arguments are `EngineArgs` fields (block_size, kv_cache_memory, ...)."""
+
+    def __init__(self, model: str | None = None, chat_template: str | None = None, **engine_args):
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args), chat_template)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. A single prompt may be a string or a token id list."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        ids = []
+        for prompt, p in zip(prompts, params):
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, prompt, p)
+            ids.append(rid)
+        return self._run(ids)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.chat_prompt(c) for c in conversations]
+        token_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        return self.generate(token_ids, params)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]

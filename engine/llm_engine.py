@@ -1,0 +1,433 @@
+"""The synchronous engine: requests in, one `step()` at a time, `RequestOutput`s out.
+
+step() = schedule -> run the model -> sample -> append tokens, detokenize, check stops ->
+free what finished -> report. Not thread-safe: one thread owns it (see async_engine.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.cache_engine import CacheEngine, num_blocks_from_budget
+from engine.config import EngineArgs, EngineConfig
+from engine.metrics import EngineStats
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampler import Sampler, SampleResult, SamplingRow
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, decode_token, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, chat_template: str | None = None):
+        t0 = time.perf_counter()
+        self.config = config
+        self.model_config = config.model
+        mc, cc = config.model, config.cache
+        self.tokenizer = load_tokenizer(mc.path, chat_template) if mc.load_format != "dummy" else None
+        self.chat_template = chat_template
+        self.runner = ModelRunner(mc, config.device, cc.block_size)
+        num_gpu, num_cpu = num_blocks_from_budget(mc, cc, config.device, self.runner.weights_bytes)
+        max_len_blocks = -(-mc.max_model_len // cc.block_size)
+        if num_gpu < max_len_blocks:
+            raise ValueError(
+                f"the KV cache holds {num_gpu * cc.block_size} tokens ({num_gpu} blocks), fewer than "
+                f"max_model_len={mc.max_model_len}: raise the KV cache memory or lower max_model_len"
+            )
+        self.cache = CacheEngine(mc, cc.block_size, num_gpu, num_cpu, config.device)
+        self.runner.attach_cache(self.cache)
+        self.block_manager = BlockManager(
+            num_gpu,
+            num_cpu,
+            cc.block_size,
+            enable_prefix_caching=cc.enable_prefix_caching,
+            reserve_tokens=mc.max_model_len if cc.kv_allocation == "reserve" else None,
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.sampler = Sampler()
+        self.requests: dict[str, SequenceGroup] = {}
+        self.eos_token_id = getattr(mc.hf_config, "eos_token_id", None)
+        if isinstance(self.eos_token_id, list):
+            self.eos_token_id = self.eos_token_id[0]
+        self._counters = {"prompt": 0, "generation": 0, "success": {}}
+        self.last_stats = self._stats(SchedulerOutput(), [], [])
+        logger.info(
+            "KV cache: %d device blocks of %d tokens (%.2f GiB, %s), %d swap blocks; "
+            "up to %d concurrent requests of max_model_len=%d; engine ready in %.1f s",
+            num_gpu,
+            cc.block_size,
+            num_gpu * self.cache.bytes_per_block / 1024**3,
+            cc.kv_allocation,
+            num_cpu,
+            num_gpu // max_len_blocks,
+            mc.max_model_len,
+            time.perf_counter() - t0,
+        )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, chat_template: str | None = None) -> "LLMEngine":
+        return cls(args.create_engine_config(), chat_template=chat_template)
+
+    # ---------------------------------------------------------------- requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (a user error) for an empty, out-of-vocabulary or
+        too long prompt, or a duplicate id."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (dummy weights): send token ids")
+            text, token_ids = prompt, self.tokenizer(prompt).input_ids
+        else:
+            text, token_ids = None, list(prompt)
+        self._validate(token_ids, params)
+        group = SequenceGroup(request_id, text, token_ids, params, arrival_time)
+        group.max_tokens = self._max_tokens(len(token_ids), params)
+        self._attach_detokenizer(group.seqs[0], group)
+        self.requests[request_id] = group
+        self.scheduler.add(group)
+
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        room = self.model_config.max_model_len - prompt_len
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("The prompt must not be empty.")
+        vocab = self.model_config.hf_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"Prompt token ids must be in [0, {vocab}).")
+        max_len = self.model_config.max_model_len
+        n_out = params.max_tokens if params.max_tokens is not None else 1
+        if len(token_ids) + n_out > max_len:
+            raise ValueError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{len(token_ids) + n_out} tokens ({len(token_ids)} in the messages, {n_out} in the "
+                "completion). Please reduce the length of the messages or completion."
+            )
+        bm = self.block_manager
+        needed = bm.num_blocks_for(max(len(token_ids), bm.reserve_tokens or 0))
+        if needed > bm.gpu.num_blocks:
+            raise ValueError(
+                f"The prompt needs {needed} KV blocks but the whole KV cache has {bm.gpu.num_blocks}; "
+                "it can never be scheduled."
+            )
+
+    def _attach_detokenizer(self, seq: Sequence, group: SequenceGroup) -> None:
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                group.prompt_token_ids,
+                skip_special_tokens=group.params.skip_special_tokens,
+                spaces_between_special_tokens=group.params.spaces_between_special_tokens,
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        """Finish the request as aborted and free its blocks now; unknown ids are ignored."""
+        group = self.requests.pop(request_id, None)
+        if group is not None:
+            self.scheduler.abort(request_id)
+            group.metrics.finished_time = time.monotonic()
+            group.metrics.finish_reason = "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def chat_prompt(self, messages: list[dict], chat_template: str | None = None) -> str:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (dummy weights)")
+        return apply_chat_template(self.tokenizer, messages, chat_template=chat_template or self.chat_template)
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        logits = self.runner.execute(sched)
+        now = time.monotonic()
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_tokens
+            if s.group.metrics.first_scheduled_time is None:
+                s.group.metrics.first_scheduled_time = now
+        ttfts, itls = self._process_samples(sched, logits, now)
+        finished = self.scheduler.free_finished()
+        touched = {id(s.group): s.group for s in sched.scheduled}
+        # requests the scheduler dropped (can never fit) are finished too
+        for rid, group in list(self.requests.items()):
+            if group.is_finished and id(group) not in touched:
+                touched[id(group)] = group
+        outputs = []
+        for group in touched.values():
+            outputs.append(self._output(group))
+            if group.is_finished:
+                self._finish(group, now)
+        self.last_stats = self._stats(sched, ttfts, itls, [g.metrics for g in touched.values() if g.is_finished])
+        return outputs
+
+    def _process_samples(self, sched: SchedulerOutput, logits: torch.Tensor, now: float):
+        rows: list[SamplingRow] = []
+        owners: list[tuple[int, object]] = []  # (logits row, scheduled seq)
+        for i, s in enumerate(sched.scheduled):
+            if s.seq.num_uncomputed_tokens > 0:
+                continue  # (never: every scheduled sequence computes its tail)
+            copies = s.group.params.best_of if not s.group.forked else 1
+            for _ in range(copies):
+                rows.append(self._row(s.seq, s.group))
+                owners.append((i, s))
+        if not rows:
+            return [], []
+        index = torch.tensor([i for i, _ in owners], device=logits.device)
+        samples = self._sample(logits.index_select(0, index), rows)
+        ttfts, itls = [], []
+        k = 0
+        while k < len(owners):
+            _, s = owners[k]
+            group = s.group
+            n = group.params.best_of if not group.forked else 1
+            chunk = samples[k : k + n]
+            k += n
+            try:
+                if any(r is None for r in chunk):
+                    raise RuntimeError("sampling failed for this request")
+                seqs = [s.seq]
+                if not group.forked:
+                    seqs += self._fork(s.seq, group, n - 1)
+                    group.forked = True
+                for seq, sample in zip(seqs, chunk):
+                    self._append(seq, group, sample)
+                m = group.metrics
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                    ttfts.append(now - m.arrival_time)
+                else:
+                    itls.append(now - m.last_token_time)
+                    m.inter_token_latencies.append(now - m.last_token_time)
+                m.last_token_time = now
+                m.num_generation_tokens += len(seqs)
+                self._counters["generation"] += len(seqs)
+                if s.is_prefill and group.num_preemptions == 0:
+                    self._counters["prompt"] += len(group.prompt_token_ids)
+                for seq in seqs:
+                    if not seq.status.is_finished:
+                        self.block_manager.register_full_blocks(seq, group.params.cache_salt)
+            except Exception as e:  # one request's failure must not take the others down
+                logger.exception("request %s failed while processing its sample", group.request_id)
+                group.error = f"{type(e).__name__}: {e}"
+                for seq in group.unfinished_seqs:
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+        return ttfts, itls
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult | None]:
+        try:
+            return self.sampler(logits, rows)
+        except Exception:
+            logger.exception("batched sampling failed; sampling row by row to isolate the request")
+        out: list[SampleResult | None] = []
+        for i, row in enumerate(rows):
+            try:
+                out.extend(self.sampler(logits[i : i + 1], [row]))
+            except Exception:
+                out.append(None)
+        return out
+
+    def _row(self, seq: Sequence, group: SequenceGroup) -> SamplingRow:
+        p = group.params
+        masked: set[int] = set()
+        if len(seq.output_token_ids) < p.min_tokens:
+            masked = set(p.stop_token_ids)
+            if self.eos_token_id is not None and not p.ignore_eos:
+                masked.add(self.eos_token_id)
+        return SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids, seq.generator, masked)
+
+    def _fork(self, parent: Sequence, group: SequenceGroup, count: int) -> list[Sequence]:
+        children = []
+        for i in range(1, count + 1):
+            seed = group.params.seed
+            gen = torch.Generator().manual_seed(seed + i) if seed is not None else None
+            child = parent.fork(i, gen)
+            self._attach_detokenizer(child, group)
+            self.block_manager.fork(parent, child)
+            group.seqs.append(child)
+            children.append(child)
+        return children
+
+    def _append(self, seq: Sequence, group: SequenceGroup, sample: SampleResult) -> None:
+        p = group.params
+        t = sample.token_id
+        seq.output_token_ids.append(t)
+        seq.cumulative_logprob += sample.logprob
+        if p.logprobs is not None:
+            entry = {t: Logprob(sample.logprob, sample.rank, self._decode(t))}
+            for rank, (tid, lp) in enumerate(sample.top_logprobs or [], start=1):
+                entry.setdefault(tid, Logprob(lp, rank, self._decode(tid)))
+            seq.output_logprobs.append(entry)
+        n_out = len(seq.output_token_ids)
+        can_stop = n_out >= p.min_tokens
+        is_eos = t == self.eos_token_id and not p.ignore_eos
+        if can_stop and (is_eos or t in p.stop_token_ids):
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            seq.stop_reason = None if is_eos else t
+            return
+        if seq.detokenizer is not None:
+            delta = seq.detokenizer.step(t)
+            seq.output_text += delta
+            if can_stop and p.stop and delta:
+                self._check_stop_strings(seq, p, len(delta))
+                if seq.status.is_finished:
+                    return
+        if n_out >= group.max_tokens or len(seq) >= self.model_config.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH
+            if seq.detokenizer is not None:
+                seq.output_text += seq.detokenizer.flush()
+
+    def _decode(self, token_id: int) -> str | None:
+        return decode_token(self.tokenizer, token_id) if self.tokenizer is not None else None
+
+    @staticmethod
+    def _check_stop_strings(seq: Sequence, p: SamplingParams, new_chars: int) -> None:
+        """Look for a stop string in the text that this token could have completed."""
+        text = seq.output_text
+        longest = max(len(s) for s in p.stop)
+        region_start = max(0, len(text) - new_chars - longest + 1)
+        best = None
+        for stop in p.stop:
+            i = text.find(stop, region_start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is not None:
+            i, stop = best
+            seq.output_text = text[: i + len(stop)] if p.include_stop_str_in_output else text[:i]
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            seq.stop_reason = stop
+
+    # ---------------------------------------------------------------- outputs
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        p = group.params
+        seqs = group.seqs
+        if group.is_finished and p.best_of > p.n:
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: p.n]
+        elif p.best_of > p.n:
+            seqs = []  # best_of: nothing is returned until the best are known
+        outs = [
+            CompletionOutput(
+                index=i if p.best_of > p.n else s.index,
+                text=self._visible_text(s, p),
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.output_logprobs) if p.logprobs is not None else None,
+                finish_reason=s.status.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(seqs)
+        ]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outs,
+            finished=group.is_finished,
+            num_cached_tokens=group.num_cached_tokens,
+            metrics=group.metrics,
+            error=group.error,
+        )
+
+    @staticmethod
+    def _visible_text(seq: Sequence, p: SamplingParams) -> str:
+        """While running, hold back a tail that could still grow into a stop string, so a
+        streaming client never sees text that a stop string later removes."""
+        text = seq.output_text
+        if seq.status.is_finished or not p.stop:
+            return text
+        hold = 0
+        for stop in p.stop:
+            for k in range(min(len(stop) - 1, len(text)), hold, -1):
+                if text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return text[: len(text) - hold]
+
+    def _finish(self, group: SequenceGroup, now: float) -> None:
+        self.requests.pop(group.request_id, None)
+        m = group.metrics
+        m.finished_time = now
+        reasons = [s.status.finish_reason for s in group.seqs]
+        m.finish_reason = "abort" if "abort" in reasons else ("stop" if "stop" in reasons else "length")
+        self._counters["success"][m.finish_reason] = self._counters["success"].get(m.finish_reason, 0) + 1
+
+    # ---------------------------------------------------------------- views
+    def _stats(self, sched: SchedulerOutput, ttfts, itls, finished=()) -> EngineStats:
+        bm = self.block_manager
+        u = bm.usage()
+        total_slots = filled = 0
+        for group in self.scheduler.running:
+            for seq in group.seqs_with_status(SequenceStatus.RUNNING):
+                total_slots += len(bm.tables.get(seq.seq_id, ())) * bm.block_size
+                filled += min(len(seq), len(bm.tables.get(seq.seq_id, ())) * bm.block_size)
+        per_block = self.cache.bytes_per_block
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped),
+            num_gpu_blocks=bm.gpu.num_blocks,
+            num_free_gpu_blocks=bm.gpu.num_free,
+            num_cpu_blocks=bm.cpu.num_blocks,
+            num_free_cpu_blocks=bm.cpu.num_free,
+            kv_cache_usage=u["gpu_used"] / max(bm.gpu.num_blocks, 1),
+            cpu_cache_usage=u["cpu_used"] / max(bm.cpu.num_blocks, 1),
+            kv_internal_fragmentation=(total_slots - filled) / total_slots if total_slots else 0.0,
+            num_shared_blocks=u["shared_blocks"],
+            num_blocks_saved_by_sharing=u["saved_by_sharing"],
+            num_preemptions_total=dict(self.scheduler.num_preemptions),
+            prompt_tokens_total=self._counters["prompt"],
+            generation_tokens_total=self._counters["generation"],
+            prefix_cache_queries_total=bm.prefix_queries,
+            prefix_cache_hits_total=bm.prefix_hits,
+            swap_in_bytes_total=self.scheduler.swapped_blocks["in"] * per_block,
+            swap_out_bytes_total=self.scheduler.swapped_blocks["out"] * per_block,
+            request_success_total=dict(self._counters["success"]),
+            iteration_tokens=sched.num_batched_tokens,
+            finished_requests=list(finished),
+            time_to_first_tokens=list(ttfts),
+            inter_token_latencies=list(itls),
+        )
+
+    def cache_info(self) -> dict[str, str]:
+        cc = self.config.cache
+        return {
+            "block_size": str(cc.block_size),
+            "num_gpu_blocks": str(self.block_manager.gpu.num_blocks),
+            "num_cpu_blocks": str(self.block_manager.cpu.num_blocks),
+            "cache_dtype": str(self.model_config.dtype).removeprefix("torch."),
+            "preemption_mode": self.config.scheduler.preemption_mode,
+            "kv_allocation": cc.kv_allocation,
+            "enable_prefix_caching": str(cc.enable_prefix_caching),
+        }
+
+    def block_map(self) -> dict:
+        states, refs, cpu = self.block_manager.block_states()
+        s = self.last_stats
+        return {
+            "block_size": self.block_manager.block_size,
+            "num_blocks": len(states),
+            "num_cpu_blocks": len(cpu),
+            "blocks": states,
+            "ref_counts": refs,
+            "cpu_blocks": cpu,
+            "usage": s.kv_cache_usage,
+            "fragmentation": s.kv_internal_fragmentation,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_swapped": s.num_swapped,
+        }

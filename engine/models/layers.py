@@ -1,0 +1,195 @@
+"""Building blocks of the Llama family, written so that tensor parallelism slots in.
+
+Linear layers know their shard: a column-parallel layer holds `out / world_size` rows of the
+weight, a row-parallel layer holds `in / world_size` columns and all-reduces its output. With
+the default world size 1 they are plain linear layers. Each parameter carries a
+`weight_loader(param, full_tensor, shard_id)` that cuts its shard out of a checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import parallel
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split over ranks; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.tp_size, self.tp_rank = parallel.world_size(), parallel.rank()
+        if out_features % self.tp_size:
+            raise ValueError(f"{out_features} output features do not split over {self.tp_size} ranks")
+        self.weight = nn.Parameter(torch.empty(out_features // self.tp_size, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features // self.tp_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[0]
+        param.copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate and up)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.out_sizes[:shard_id]) // self.tp_size
+        size = self.out_sizes[shard_id] // self.tp_size
+        param.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; heads are split over ranks (KV heads must divide evenly)."""
+
+    def __init__(self, hidden: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = parallel.world_size()
+        if num_heads % tp or num_kv_heads % tp:
+            raise ValueError(
+                f"tensor parallel size {tp} must divide the number of attention heads ({num_heads}) "
+                f"and of KV heads ({num_kv_heads})"
+            )
+        self.head_size = head_size
+        self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp
+        super().__init__(hidden, (num_heads + 2 * num_kv_heads) * head_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        param.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split over ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.tp_size, self.tp_rank = parallel.world_size(), parallel.rank()
+        if in_features % self.tp_size:
+            raise ValueError(f"{in_features} input features do not split over {self.tp_size} ranks")
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:  # added once, after the reduction
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[1]
+        param.copy_(loaded.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            parallel.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary ranges; out-of-shard ids contribute zeros."""
+
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__()
+        self.tp_size, self.tp_rank = parallel.world_size(), parallel.rank()
+        self.shard = (vocab_size + self.tp_size - 1) // self.tp_size
+        self.start = self.tp_rank * self.shard
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.zeros(self.shard, dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        part = loaded[self.start : self.start + self.shard]
+        param[: part.shape[0]].copy_(part)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mask = (local >= 0) & (local < self.shard)
+        y = F.embedding(local.clamp(0, self.shard - 1), self.weight) * mask.unsqueeze(-1)
+        parallel.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the vocabulary; each rank computes its slice, then they are gathered."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = parallel.all_gather_last_dim(logits)
+        return logits[..., : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Normalise x (after adding `residual` when given); returns (normed, new residual)."""
+        if residual is not None:
+            x = x + residual
+        residual = x
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype), residual
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half layout, as HF Llama), with the config's theta and
+    scaling. Inverse frequencies come from transformers' own RoPE initialisers, so every scaling
+    type HF supports (linear, dynamic, llama3, yarn, ...) matches it exactly."""
+
+    def __init__(self, hf_config, head_size: int, max_positions: int):
+        super().__init__()
+        inv_freq, scaling = _rope_inv_freq(hf_config, head_size)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, heads, d], k: [T, kv_heads, d] -> rotated copies."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_inv_freq(hf_config, head_size: int) -> tuple[torch.Tensor, float]:
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    if rope_type == "default":
+        inv = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    return inv.float(), float(scaling)
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

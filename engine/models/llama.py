@@ -1,0 +1,132 @@
+"""The Llama family (Llama, SmolLM, Qwen2, Mistral) over a paged KV cache.
+
+Parameter names match HF checkpoints (`model.layers.N.self_attn.q_proj` ...) except that q/k/v
+and gate/up are fused; `packed_modules` tells the loader where each checkpoint tensor goes.
+Qwen2 differs only by biases on q/k/v, Mistral not at all (no sliding window here).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, PagedAttention
+from engine.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        hidden = config.hidden_size
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_size = getattr(config, "head_dim", None) or hidden // heads
+        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_size, heads, kv_heads, bias=bias)
+        self.o_proj = RowParallelLinear(heads * self.head_size, hidden, bias=False)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5)
+
+    def forward(self, positions, x, meta: AttentionMetadata, kv_cache):
+        T = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k = self.rotary(
+            positions, q.reshape(T, self.num_heads, self.head_size), k.reshape(T, self.num_kv_heads, self.head_size)
+        )
+        o = self.attn(q.reshape(T, q_size), k.reshape(T, kv_size), v.contiguous(), meta, kv_cache)
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
+        self.down_proj = RowParallelLinear(inter, config.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, residual, meta, kv_cache):
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(config, head_size, max_positions)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta, kv_caches):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, meta, kv_cache)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.model = LlamaModel(config, max_positions)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tied_parameters: set[str] = set()
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] for the flattened batch."""
+        return self.model(input_ids, positions, meta, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(hf_config) -> type[nn.Module]:
+    archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[arch]
+    raise ValueError(f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")

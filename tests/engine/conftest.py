@@ -1,0 +1,56 @@
+"""Engine fixtures: one HF reference model and engines per block size, loaded once per session.
+Every engine handed out is checked after each test: its block pool must be whole and free."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+
+_engines: dict[tuple, object] = {}
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+def get_llm(**kwargs):
+    from engine.llm import LLM
+
+    key = tuple(sorted(kwargs.items()))
+    if key not in _engines:
+        args = {"max_model_len": 2048, "kv_cache_memory": "256MiB", "enable_prefix_caching": False}
+        args.update(kwargs)
+        _engines[key] = LLM(**args)
+    return _engines[key]
+
+
+@pytest.fixture
+def make_llm():
+    """make_llm(block_size=16, ...) -> a cached LLM; its pool is checked after the test."""
+    used = []
+
+    def make(**kwargs):
+        llm = get_llm(**kwargs)
+        used.append(llm)
+        return llm
+
+    yield make
+    for llm in used:
+        bm = llm.engine.block_manager
+        bm.check_integrity()
+        assert not llm.engine.has_unfinished_requests()
+        assert bm.all_free(), "blocks leaked after the test"
