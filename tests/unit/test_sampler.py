@@ -343,7 +343,7 @@ def test_top_candidates():
 # --- property: a drawn token is always one the settings allow -----------------------------------
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(
     seed=st.integers(0, 2**31 - 1),
     temperature=st.sampled_from([0.0, 0.3, 1.0, 1.7]),
