@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Compile-check every CUDA source of cuda_ext with `nvcc -c` for sm_80 and sm_90 and print the
 # ptxas register / spill counts of every kernel. Needs nvcc only: no GPU, no CUDA torch (the
-# .cu files include no torch headers). Exits non-zero on any compile error.
+# .cu files include no torch headers). Then, where python has torch, syntax-checks the CUDA
+# half of bindings.cpp (the torch glue) with the host compiler. Exits non-zero on any error.
 #
 #   scripts/nvcc_check.sh            # both architectures
-#   ARCHS="90" NVCC=/path/nvcc scripts/nvcc_check.sh
+#   ARCHS="90" NVCC=/path/nvcc PYTHON=.venv/bin/python scripts/nvcc_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,4 +48,29 @@ for cu in cuda_ext/csrc/cuda/*.cu; do
   ' "$work/$name.log" | "$DEMANGLE" \
     | sed -E 's/void //; s/paged_serve::cuda::\(anonymous namespace\):://; s/\(([^()]|\([^()]*\))*\)$//'
 done
+
+# The torch glue compiled with -DPAGED_SERVE_WITH_CUDA, syntax only. A CPU build of torch ships
+# the c10/cuda headers but not the generated cuda_cmake_macros.h: a one-line stub stands in.
+PYTHON=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}
+if includes=$("$PYTHON" -c "
+import sysconfig
+from torch.utils.cpp_extension import include_paths
+print(' '.join(['-isystem ' + p for p in include_paths()] + ['-isystem ' + sysconfig.get_paths()['include']]))
+" 2>/dev/null); then
+  mkdir -p "$work/stub/c10/cuda/impl"
+  printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >"$work/stub/c10/cuda/impl/cuda_cmake_macros.h"
+  cuda_include=${CUDA_HOME:-/usr/local/cuda}/include
+  [[ -f $cuda_include/cuda_runtime_api.h ]] || cuda_include=$(dirname "$(dirname "$(command -v "$NVCC")")")/include
+  start=$SECONDS
+  # shellcheck disable=SC2086 # $includes is a list of flags
+  if ${CXX:-c++} -std=c++20 -fsyntax-only -Wall -DPAGED_SERVE_WITH_CUDA $includes -isystem "$work/stub" \
+       -isystem "$cuda_include" cuda_ext/csrc/bindings.cpp; then
+    echo "ok   cuda_ext/csrc/bindings.cpp with -DPAGED_SERVE_WITH_CUDA, syntax only ($((SECONDS - start)) s)"
+  else
+    echo "FAIL cuda_ext/csrc/bindings.cpp with -DPAGED_SERVE_WITH_CUDA"
+    failed=1
+  fi
+else
+  echo "skip cuda_ext/csrc/bindings.cpp: $PYTHON has no torch"
+fi
 exit "$failed"

@@ -10,8 +10,12 @@
 #include "cpu/cpu_ops.h"
 
 #ifdef PAGED_SERVE_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <vector>
 
 #include "cuda/kernels.h"
 #endif
@@ -77,7 +81,7 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
                                      slots.const_data_ptr<int64_t>(), key.size(0), key.size(1), key.size(2),
                                      key_cache.size(2), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                                      key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-                                     key.element_size(), at::cuda::getCurrentCUDAStream()),
+                                     key.element_size(), c10::cuda::getCurrentCUDAStream()),
              "reshape_and_cache");
 }
 
@@ -124,7 +128,7 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
                                    tables.const_data_ptr<int>(), lens.const_data_ptr<int>(), ptr(partial_out),
                                    ptr(partial_max), ptr(partial_sum), shape, static_cast<float>(scale),
                                    static_cast<int>(max_context_len), to_dtype(query.scalar_type()),
-                                   at::cuda::getCurrentCUDAStream()),
+                                   c10::cuda::getCurrentCUDAStream()),
              "paged_attention");
 }
 
@@ -149,7 +153,7 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, co
   const at::Tensor mapping = block_mapping.to(device).contiguous();
   check_cuda(cuda::copy_blocks(device_ptrs.const_data_ptr<int64_t>(), mapping.const_data_ptr<int64_t>(),
                                static_cast<int>(ptrs.size()), static_cast<int>(mapping.size(0)), block_bytes,
-                               at::cuda::getCurrentCUDAStream()),
+                               c10::cuda::getCurrentCUDAStream()),
              "copy_blocks");
 }
 
@@ -169,8 +173,10 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
                 "block id out of range in block_mapping row ", p);
   }
   const int64_t block_bytes = src.numel() / std::max<int64_t>(src.size(0), 1) * src.element_size();
+  const cudaMemcpyKind kind = src.is_cuda() ? (dst.is_cuda() ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost)
+                                            : cudaMemcpyHostToDevice;
   check_cuda(cuda::swap_blocks(src.data_ptr(), dst.data_ptr(), pairs, static_cast<int>(mapping.size(0)), block_bytes,
-                               at::cuda::getCurrentCUDAStream()),
+                               kind, c10::cuda::getCurrentCUDAStream()),
              "swap_blocks");
 }
 

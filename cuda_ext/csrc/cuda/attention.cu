@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_reduce_kernel(
     for (int d = threadIdx.x; d < HEAD_SIZE; d += kNumThreads) out[out_offset + d] = from_float<T>(0.f);
     return;
   }
-  const int used = (context_len + kPartitionSize - 1) / kPartitionSize;
+  const int used = min((context_len + kPartitionSize - 1) / kPartitionSize, num_partitions);
   const int64_t first = (static_cast<int64_t>(seq) * shape.num_heads + head) * num_partitions;
 
   float max_logit = -FLT_MAX;

@@ -90,13 +90,13 @@ cudaError_t copy_blocks(const int64_t* cache_ptrs, const int64_t* block_mapping,
 }
 
 cudaError_t swap_blocks(const void* src, void* dst, const int64_t* block_mapping, int num_pairs, int64_t block_bytes,
-                        cudaStream_t stream) {
+                        cudaMemcpyKind kind, cudaStream_t stream) {
   const char* from = static_cast<const char*>(src);
   char* to = static_cast<char*>(dst);
   for (int p = 0; p < num_pairs; ++p) {
     const cudaError_t err = cudaMemcpyAsync(to + block_mapping[2 * p + 1] * block_bytes,
                                             from + block_mapping[2 * p] * block_bytes, block_bytes,
-                                            cudaMemcpyDefault, stream);
+                                            kind, stream);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;

@@ -21,7 +21,8 @@ constexpr int kPartitionSize = 512;
 bool attention_supports_head_size(int head_size);
 
 // Number of partitions paged_attention uses for this max_context_len; 1 means single pass
-// (no scratch buffers needed).
+// (no scratch buffers needed). max_context_len must be >= every context length: longer
+// contexts would be cut at num_partitions * kPartitionSize tokens.
 int attention_num_partitions(int max_context_len);
 
 struct AttentionShape {
@@ -61,11 +62,12 @@ cudaError_t copy_blocks(const int64_t* cache_ptrs,     // [num_caches] (device m
                         const int64_t* block_mapping,  // [num_pairs, 2] (device memory)
                         int num_caches, int num_pairs, int64_t block_bytes, cudaStream_t stream);
 
-// Host <-> device or device <-> device block copies with cudaMemcpyAsync (cudaMemcpyDefault:
-// unified addressing finds the direction). block_mapping lives in host memory.
+// Host <-> device or device <-> device block copies, one cudaMemcpyAsync per pair (the host
+// side should be pinned memory for the copy to be asynchronous). block_mapping lives in host
+// memory.
 cudaError_t swap_blocks(const void* src,               // [num_src_blocks, ...]
                         void* dst,                     // [num_dst_blocks, ...]
                         const int64_t* block_mapping,  // [num_pairs, 2] (host memory)
-                        int num_pairs, int64_t block_bytes, cudaStream_t stream);
+                        int num_pairs, int64_t block_bytes, cudaMemcpyKind kind, cudaStream_t stream);
 
 }  // namespace paged_serve::cuda
