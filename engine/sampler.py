@@ -277,7 +277,8 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
 
     A seeded row takes its number from its own generator, so its tokens depend only on its own
     probabilities and seed, never on the rest of the batch. A token of probability 0 adds
-    nothing to the CDF, so the search can never land on it.
+    nothing to the CDF, so the search can never land on it. (u has 24 random bits: a token's
+    chance is resolved to about 6e-8.)
     """
     u = torch.empty(len(generators), dtype=torch.float32)
     unseeded = [i for i, g in enumerate(generators) if g is None]
