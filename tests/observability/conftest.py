@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from obs_support import chromium_path
+from tests.observability.obs_support import chromium_path
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Helpers shared by the observability tests (a module name of its own: tests/ has no packages)."""
+"""Helpers shared by the observability tests."""
 
 from __future__ import annotations
 

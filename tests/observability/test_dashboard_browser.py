@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from obs_support import DASHBOARD_HTML, free_port
+from tests.observability.obs_support import DASHBOARD_HTML, free_port
 
 fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")

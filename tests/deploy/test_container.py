@@ -1,0 +1,123 @@
+"""Build the CPU image with podman and serve one completion from it (opt-in: -m container).
+
+Follows ../shared/DESIGN.md: `bash ../shared/container/prepare.sh` sets up rootful podman and
+the local `python:3.11-slim` stand-in, then the image builds with no pull and runs on loopback.
+Slow (minutes: the first build downloads the Python dependencies): run it on its own,
+    python -m pytest -m container tests/deploy -q
+Where a CPU torch wheel lies in $PAGED_SERVE_TORCH_WHEELS (default /opt/wheels), the build
+mounts that folder and installs torch from it instead of downloading a CUDA build from PyPI.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.observability.obs_support import free_port
+from server.observability import METRIC_FAMILIES
+
+pytestmark = pytest.mark.container
+
+ROOT = Path(__file__).resolve().parents[2]
+PREPARE = ROOT.parent / "shared" / "container" / "prepare.sh"
+IMAGE = os.environ.get("PAGED_SERVE_IMAGE", "localhost/paged-serve:cpu")
+WHEELS = Path(os.environ.get("PAGED_SERVE_TORCH_WHEELS", "/opt/wheels"))
+HEALTH_TIMEOUT = 300.0
+
+
+def run(*cmd: str, timeout: float, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {result.returncode}:\n"
+                    f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def build_args() -> list[str]:
+    if any(WHEELS.glob("torch-*+cpu-*.whl")):
+        return ["-v", f"{WHEELS}:/wheels:ro", "--build-arg", "TORCH_FIND_LINKS=/wheels",
+                "--build-arg", "TORCH_INDEX_URL=https://pypi.org/simple"]
+    return []
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    if not PREPARE.exists():
+        pytest.skip(f"no {PREPARE}")
+    run("bash", str(PREPARE), timeout=900)
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed")
+    if os.environ.get("PAGED_SERVE_SKIP_BUILD") != "1":
+        run("podman", "build", "--isolation", "chroot", "--pull=never", *build_args(),
+            "-t", IMAGE, str(ROOT), timeout=3600)
+    return IMAGE
+
+
+@pytest.fixture(scope="module")
+def container(image):
+    name = f"paged-serve-test-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    run("podman", "run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000",
+        "-e", "PAGED_SERVE_ARGS=--kv-cache-memory 256MiB --max-model-len 2048",
+        image, timeout=120)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + HEALTH_TIMEOUT
+        while True:
+            state = run("podman", "inspect", "-f", "{{.State.Status}}", name, timeout=30).stdout.strip()
+            if state != "running":
+                logs = run("podman", "logs", name, timeout=30, check=False)
+                pytest.fail(f"container {state}:\n{logs.stdout[-4000:]}{logs.stderr[-4000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                logs = run("podman", "logs", name, timeout=30, check=False)
+                pytest.fail(f"no /health 200 in {HEALTH_TIMEOUT} s:\n{logs.stderr[-4000:]}")
+            time.sleep(2)
+        yield name, url
+    finally:
+        run("podman", "rm", "-f", "-t", "1", name, timeout=120, check=False)
+
+
+def test_the_image_serves_a_completion(container):
+    _, url = container
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    response = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["text"]
+    assert body["usage"]["completion_tokens"] > 0
+
+
+def test_the_image_exports_metrics_and_the_dashboard(container):
+    _, url = container
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    for family in METRIC_FAMILIES:
+        assert family in metrics
+    page = httpx.get(f"{url}/dashboard", timeout=30)
+    assert page.status_code == 200 and "KV block map" in page.text
+
+
+def test_the_image_runs_as_non_root_and_is_healthy(container):
+    name, _ = container
+    uid = run("podman", "exec", name, "id", "-u", timeout=60).stdout.strip()
+    assert uid != "0"
+    # The image's HEALTHCHECK command itself passes (podman runs it on demand).
+    assert run("podman", "healthcheck", "run", name, timeout=60, check=False).returncode == 0
+
+
+def test_the_default_model_is_inside_the_image(container):
+    name, _ = container
+    listing = run("podman", "exec", name, "ls", "/opt/paged-serve/models/gguf", timeout=60).stdout
+    assert "SmolLM2-135M-Instruct" in listing
