@@ -65,6 +65,13 @@ cuda::DType to_dtype(at::ScalarType t) {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
+// A kernel dereferences every pointer on one GPU: a stray CPU tensor would crash it.
+void check_on(const at::Device& device, std::initializer_list<const at::Tensor*> tensors, const char* op) {
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK(t->device() == device, op, ": all tensors must be on ", device, ", got one on ", t->device());
+  }
+}
+
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                             at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes(), "key/value must be [num_tokens, num_kv_heads, head_size]");
@@ -75,6 +82,8 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
   TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(), "key/value must have the caches' dtype");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1, "the head_size dimension must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == key.size(0), "slot_mapping must be [num_tokens] int64");
+  TORCH_CHECK(key.element_size() == 2 || key.element_size() == 4, "reshape_and_cache: 2- or 4-byte dtypes only");
+  check_on(key_cache.device(), {&key, &value, &value_cache}, "reshape_and_cache");
   const c10::cuda::CUDAGuard guard(key_cache.device());
   const at::Tensor slots = slot_mapping.to(key_cache.device()).contiguous();
   check_cuda(cuda::reshape_and_cache(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -107,6 +116,7 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
                   block_tables.dim() == 2 && block_tables.size(0) == query.size(0) && context_lens.numel() == query.size(0),
               "block_tables must be [num_seqs, max_blocks_per_seq] int32, context_lens [num_seqs] int32");
+  check_on(query.device(), {&out, &key_cache, &value_cache, &block_tables, &context_lens}, "paged_attention");
   const c10::cuda::CUDAGuard guard(query.device());
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
   const cuda::AttentionShape shape{

@@ -109,3 +109,16 @@ def test_opcheck():
     args = (torch.empty(2, 4, 64), torch.randn(2, 4, 64, generator=gen), key_cache, value_cache, tables,
             torch.tensor(lens, dtype=torch.int32), 0.125, 20)
     torch.library.opcheck(ops.compiled_library().paged_attention.default, args)
+
+
+@pytest.mark.parametrize(("table", "context_len", "message"), [
+    ([[9]], 3, "block id 9 out of range"),
+    ([[0]], 20, "does not fit its block table"),
+])
+def test_bad_block_table_is_an_error_on_cpu(table, context_len, message):
+    key_cache = torch.zeros(4, 1, 8, 64)
+    query = torch.zeros(1, 1, 64)
+    with pytest.raises(RuntimeError, match=message):
+        ops.paged_attention(torch.empty_like(query), query, key_cache, key_cache,
+                            torch.tensor(table, dtype=torch.int32),
+                            torch.tensor([context_len], dtype=torch.int32), 1.0, context_len)

@@ -170,13 +170,26 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       query.stride(0), query.stride(1), out.stride(0), out.stride(1),
       key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), static_cast<float>(scale)};
 
+  // Bad tables are caught here as errors rather than as out-of-bounds reads in the kernel.
+  const int* table_data = tables.const_data_ptr<int>();
+  const int* len_data = lens.const_data_ptr<int>();
+  for (int64_t seq = 0; seq < query.size(0); ++seq) {
+    const int n = len_data[seq];
+    const int64_t blocks = (static_cast<int64_t>(n) + args.block_size - 1) / args.block_size;
+    TORCH_CHECK(n >= 0 && blocks <= args.max_blocks_per_seq, "sequence ", seq, ": context_len ", n,
+                " does not fit its block table of ", args.max_blocks_per_seq, " blocks");
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int id = table_data[seq * args.max_blocks_per_seq + b];
+      TORCH_CHECK(id >= 0 && id < key_cache.size(0), "sequence ", seq, ": block id ", id, " out of range");
+    }
+  }
+
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention_cpu", [&] {
     auto run = [&](auto head_size_tag) {
       constexpr int HS = decltype(head_size_tag)::value;
       paged_attention_impl<scalar_t, HS>(args, static_cast<int>(query.size(0)), out.data_ptr<scalar_t>(),
                                          query.const_data_ptr<scalar_t>(), key_cache.const_data_ptr<scalar_t>(),
-                                         value_cache.const_data_ptr<scalar_t>(), tables.const_data_ptr<int>(),
-                                         lens.const_data_ptr<int>());
+                                         value_cache.const_data_ptr<scalar_t>(), table_data, len_data);
     };
     switch (args.head_size) {
       case 64: run(std::integral_constant<int, 64>{}); break;
