@@ -99,7 +99,8 @@ class Metrics:
     def __init__(self, model_name: str, cache_info: dict[str, str]):
         """`cache_info` becomes the labels of `paged_serve:cache_config_info` (e.g. block_size,
         num_gpu_blocks, num_cpu_blocks, cache_dtype, preemption_mode); keys that are not valid
-        label names are rewritten with underscores."""
+        label names are rewritten with underscores. Its num_gpu_blocks, when given, sets
+        kv_blocks_total and kv_blocks_free until the first observe()."""
         # NOTE: drops the `*_created` timestamp series prometheus_client adds beside every counter
         # and histogram (as vLLM does); they double the exposition and no dashboard reads them.
         # The switch is process-wide, which is fine in a process that only serves.
@@ -185,6 +186,11 @@ class Metrics:
 
         Info(PREFIX + "cache_config", "KV cache configuration.", labels,
              registry=self.registry).labels(model_name).info(_label_dict(cache_info))
+        # The pool's size is known before the first step: an idle server already exports it.
+        num_blocks = str(cache_info.get("num_gpu_blocks", ""))
+        if num_blocks.isdigit():
+            self.kv_blocks_total.set(int(num_blocks))
+            self.kv_blocks_free.set(int(num_blocks))
 
     def observe(self, stats: EngineStats) -> None:
         """Record one engine step. Thread-safe; called from the engine thread after each step.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.observability.obs_support import chromium_path
+from tests.observability.obs_support import LIVE_FLAGS, LiveServer, chromium_path
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +43,14 @@ def screenshot_dir(tmp_path) -> Path:
     path = Path(keep) if keep else tmp_path
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def live_server():
+    """The real daemon with the default model, shared by the live tests of this folder."""
+    server = LiveServer(*LIVE_FLAGS)
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()

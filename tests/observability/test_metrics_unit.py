@@ -83,6 +83,14 @@ def test_cache_config_info():
                       "swap_space": "4"}
 
 
+def test_the_pool_size_is_exported_before_the_first_step():
+    samples = scrape(Metrics(MODEL, CACHE_INFO))
+    assert value(samples, "paged_serve:kv_blocks_total") == 64
+    assert value(samples, "paged_serve:kv_blocks_free") == 64
+    samples = scrape(Metrics(MODEL, {"block_size": "16"}))
+    assert value(samples, "paged_serve:kv_blocks_total") == 0
+
+
 def test_gauges_follow_the_latest_snapshot():
     metrics = Metrics(MODEL, CACHE_INFO)
     metrics.observe(EngineStats(
