@@ -169,3 +169,8 @@ def build(engine_args) -> FakeEngine:
 
 def build_failing(engine_args) -> FakeEngine:
     raise RuntimeError("injected load failure")
+
+
+def build_slow(engine_args) -> FakeEngine:
+    time.sleep(4)
+    return FakeEngine()

@@ -350,3 +350,27 @@ def test_load_failure_exits_nonzero():
     server = start_server("--engine-factory", "tests.server.fake_engine:build_failing", wait_healthy=False)
     assert server.proc.wait(60) == 1
     assert "injected load failure" in server.log()
+
+
+def test_health_503_while_loading():
+    server = start_server("--engine-factory", "tests.server.fake_engine:build_slow", "--log-level", "warning",
+                          wait_healthy=False)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                health = httpx.get(server.url + "/health", timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        loading = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert_error(loading, 503)
+        assert loading.headers["retry-after"] == "1"
+        while httpx.get(server.url + "/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+    finally:
+        server.stop()
