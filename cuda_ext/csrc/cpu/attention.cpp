@@ -42,6 +42,19 @@ inline const float* row_as_float(const T* src, float* buf, int n) {
   }
 }
 
+// Ask for the next block's rows while this one is computed on. NOTE: blocks sit at random
+// places in the pool, and one block of one head (e.g. 16 x 64 fp32 = 4 KB) is about a page,
+// so the hardware prefetcher starts cold at every block; without this the kernel waits on
+// memory latency, not bandwidth.
+template <typename T>
+inline void prefetch_rows(const T* first, int rows, int64_t row_stride, int row_len) {
+  constexpr int kLine = 64;
+  for (int r = 0; r < rows; ++r) {
+    const char* p = reinterpret_cast<const char*>(first + r * row_stride);
+    for (int b = 0; b < row_len * static_cast<int>(sizeof(T)); b += kLine) __builtin_prefetch(p + b);
+  }
+}
+
 template <int N>
 inline float dot(const float* a, const float* b, int n) {
   const int len = N > 0 ? N : n;
@@ -81,8 +94,18 @@ void attend_one(const AttentionArgs& a, int seq, int kv_head, T* out, const T* q
 
   // Pass 1: logits[g, t] = q_g . k_t, walking the block table.
   const int num_blocks = (context_len + a.block_size - 1) / a.block_size;
+  auto block_start = [&](const T* cache, int b) {
+    return cache + block_table[b] * a.cache_stride_block + kv_head * a.cache_stride_head;
+  };
+  auto prefetch_block = [&](const T* cache, int b) {
+    if (b < num_blocks)
+      prefetch_rows(block_start(cache, b), std::min(a.block_size, context_len - b * a.block_size),
+                    a.cache_stride_token, D);
+  };
+  prefetch_block(key_cache, 0);
   for (int b = 0; b < num_blocks; ++b) {
-    const T* k_block = key_cache + block_table[b] * a.cache_stride_block + kv_head * a.cache_stride_head;
+    prefetch_block(key_cache, b + 1);
+    const T* k_block = block_start(key_cache, b);
     const int tokens = std::min(a.block_size, context_len - b * a.block_size);
     for (int off = 0; off < tokens; ++off) {
       const float* k = row_as_float<T, HEAD_SIZE>(k_block + off * a.cache_stride_token, buf.data(), D);
@@ -106,8 +129,10 @@ void attend_one(const AttentionArgs& a, int seq, int kv_head, T* out, const T* q
   }
 
   // Pass 2: acc[g] = sum_t p[g, t] * v_t.
+  prefetch_block(value_cache, 0);
   for (int b = 0; b < num_blocks; ++b) {
-    const T* v_block = value_cache + block_table[b] * a.cache_stride_block + kv_head * a.cache_stride_head;
+    prefetch_block(value_cache, b + 1);
+    const T* v_block = block_start(value_cache, b);
     const int tokens = std::min(a.block_size, context_len - b * a.block_size);
     for (int off = 0; off < tokens; ++off) {
       const float* v = row_as_float<T, HEAD_SIZE>(v_block + off * a.cache_stride_token, buf.data(), D);
