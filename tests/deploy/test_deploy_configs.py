@@ -227,3 +227,18 @@ def test_dockerignore_keeps_the_context_small():
     ignored = (ROOT / ".dockerignore").read_text().split()
     for name in (".git", ".venv", "**/__pycache__"):
         assert name in ignored
+
+
+def test_compose_flags_are_flags_the_daemon_knows(compose):
+    """The daemon's default PAGED_SERVE_ARGS parse with the real CLI, plus the image's CMD flags."""
+    import shlex
+
+    from server.cli import build_parser
+
+    value = compose["services"][DAEMON]["environment"]["PAGED_SERVE_ARGS"]
+    default = re.fullmatch(r"\$\{PAGED_SERVE_ARGS:-(.*)\}", value).group(1)
+    args = build_parser().parse_args(
+        ["--host", "0.0.0.0", "--port", str(DAEMON_PORT), *shlex.split(default)])
+    assert args.port == DAEMON_PORT
+    # An API key must not lock Prometheus out of /metrics.
+    assert args.metrics_public
