@@ -42,10 +42,12 @@ inline const float* row_as_float(const T* src, float* buf, int n) {
   }
 }
 
-// Ask for the next block's rows while this one is computed on. NOTE: blocks sit at random
-// places in the pool, and one block of one head (e.g. 16 x 64 fp32 = 4 KB) is about a page,
-// so the hardware prefetcher starts cold at every block; without this the kernel waits on
-// memory latency, not bandwidth.
+// Ask for the rows about kPrefetchTokens tokens ahead while this block is computed on. NOTE:
+// blocks sit at random places in the pool, and one block of one head (e.g. 16 x 64 fp32 =
+// 4 KB) is about a page, so the hardware prefetcher starts cold at every block; without this
+// the kernel waits on memory latency, not bandwidth (measured 1.3x at block 16, 2x at block 1).
+constexpr int kPrefetchTokens = 32;
+
 template <typename T>
 inline void prefetch_rows(const T* first, int rows, int64_t row_stride, int row_len) {
   constexpr int kLine = 64;
@@ -97,14 +99,15 @@ void attend_one(const AttentionArgs& a, int seq, int kv_head, T* out, const T* q
   auto block_start = [&](const T* cache, int b) {
     return cache + block_table[b] * a.cache_stride_block + kv_head * a.cache_stride_head;
   };
+  const int prefetch_blocks = std::max(1, kPrefetchTokens / a.block_size);
   auto prefetch_block = [&](const T* cache, int b) {
     if (b < num_blocks)
       prefetch_rows(block_start(cache, b), std::min(a.block_size, context_len - b * a.block_size),
                     a.cache_stride_token, D);
   };
-  prefetch_block(key_cache, 0);
+  for (int b = 0; b < prefetch_blocks; ++b) prefetch_block(key_cache, b);
   for (int b = 0; b < num_blocks; ++b) {
-    prefetch_block(key_cache, b + 1);
+    prefetch_block(key_cache, b + prefetch_blocks);
     const T* k_block = block_start(key_cache, b);
     const int tokens = std::min(a.block_size, context_len - b * a.block_size);
     for (int off = 0; off < tokens; ++off) {
@@ -129,9 +132,9 @@ void attend_one(const AttentionArgs& a, int seq, int kv_head, T* out, const T* q
   }
 
   // Pass 2: acc[g] = sum_t p[g, t] * v_t.
-  prefetch_block(value_cache, 0);
+  for (int b = 0; b < prefetch_blocks; ++b) prefetch_block(value_cache, b);
   for (int b = 0; b < num_blocks; ++b) {
-    prefetch_block(value_cache, b + 1);
+    prefetch_block(value_cache, b + prefetch_blocks);
     const T* v_block = block_start(value_cache, b);
     const int tokens = std::min(a.block_size, context_len - b * a.block_size);
     for (int off = 0; off < tokens; ++off) {
