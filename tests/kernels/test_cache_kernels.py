@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cuda_ext import ops, reference
-from kernel_cases import DEVICES, require_compiled
+from tests.kernels.kernel_cases import DEVICES, require_compiled
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BLOCK_SIZES = [1, 8, 16, 32]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cuda_ext import ops, reference
-from kernel_cases import (
+from tests.kernels.kernel_cases import (
     DEVICES, TOLERANCES, fill_caches, poisoned_caches, random_block_tables, require_compiled,
 )
 
