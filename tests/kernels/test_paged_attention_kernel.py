@@ -75,6 +75,22 @@ def test_strided_query_and_out(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [(24, 2), (6, 3), (14, 2)], ids=lambda h: f"h{h[0]}kv{h[1]}")
+def test_group_sizes_between_instantiations(device, heads):
+    """The CUDA kernel handles a GQA group in chunks of 1, 4 or 8 query heads: groups of 2 and 7
+    leave a chunk part-empty, and 12 needs two chunks (8 + 4)."""
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(num_heads)
+    lens = [3, 700]
+    key_cache, value_cache = poisoned_caches(60, num_kv_heads, 16, 64, torch.bfloat16, device)
+    tables = random_block_tables(lens, 16, 60, gen)
+    fill_caches(key_cache, value_cache, tables, lens, gen)
+    query = torch.randn(2, num_heads, 64, generator=gen).bfloat16().to(device)
+    out, expected = run_both(query, key_cache, value_cache, tables.to(device), lens, 0.125)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_context_gives_zeros(device):
     key_cache, value_cache = poisoned_caches(4, 2, 8, 64, torch.float32, device)
     tables = torch.zeros(2, 1, dtype=torch.int32, device=device)

@@ -1,7 +1,9 @@
 // CUDA paged attention (decode): one query token per sequence against its cached K/V, read
 // through the sequence's block table. Plain CUDA C++, no torch headers (see kernels.h).
 //
-// One thread block computes one (query head, sequence, partition). The context is cut into
+// One thread block computes, for one (sequence, partition), up to GROUP query heads that share
+// one KV head (GQA): each K/V row is read from memory once for all of them, instead of once
+// per query head (which would make L2 bandwidth, not HBM, the limit). The context is cut into
 // partitions of kPartitionSize tokens:
 //   * one partition (context <= kPartitionSize): a single pass writes `out` directly;
 //   * more: pass 1 writes each partition's normalised output with its max logit and exp-sum,
@@ -23,6 +25,7 @@ namespace {
 
 constexpr int kWarpSize = 32;
 constexpr int kNumThreads = 128;
+constexpr int kNumWarps = kNumThreads / kWarpSize;
 constexpr int kUnroll = 4;  // K/V rows each thread loads before it computes on them
 
 template <typename T> __device__ __forceinline__ float to_float(T x);
@@ -64,23 +67,31 @@ __device__ __forceinline__ float group_sum(float v) {
 struct MaxOp { __device__ float operator()(float a, float b) const { return fmaxf(a, b); } };
 struct SumOp { __device__ float operator()(float a, float b) const { return a + b; } };
 
-// Reduce one value per thread over the whole block; every thread gets the result.
-// scratch: [kNumThreads / kWarpSize] floats of shared memory. Contains __syncthreads().
-template <typename Op>
-__device__ float block_reduce(float v, float* scratch, Op op) {
+// Reduce GROUP values per thread over the whole block; every thread gets the results.
+// scratch: [GROUP][kNumWarps] floats of shared memory. Contains two __syncthreads().
+template <int GROUP, typename Op>
+__device__ void block_reduce(float (&v)[GROUP], float (*scratch)[kNumWarps], Op op) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
 #pragma unroll
-  for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, mask));
-  if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = v;
+  for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+    for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) v[g] = op(v[g], __shfl_xor_sync(0xffffffffu, v[g], mask));
+    if (lane == 0) scratch[g][warp] = v[g];
+  }
   __syncthreads();
-  v = scratch[0];
 #pragma unroll
-  for (int w = 1; w < kNumThreads / kWarpSize; ++w) v = op(v, scratch[w]);
+  for (int g = 0; g < GROUP; ++g) {
+    v[g] = scratch[g][0];
+#pragma unroll
+    for (int w = 1; w < kNumWarps; ++w) v[g] = op(v[g], scratch[g][w]);
+  }
   __syncthreads();  // scratch may be reused right after
-  return v;
 }
 
-// Grid: (num_heads, num_seqs, num_partitions); block: kNumThreads threads.
-template <typename T, int HEAD_SIZE>
+// GROUP: most query heads per thread block (1, 4 or 8); a KV head's group of
+// num_heads / num_kv_heads query heads is split into ceil(group / GROUP) chunks.
+// Grid: (num_kv_heads * chunks, num_seqs, num_partitions); block: kNumThreads threads.
+template <typename T, int HEAD_SIZE, int GROUP>
 __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
     T* __restrict__ out,                  // [num_seqs, num_heads, head_size] (written when 1 partition)
     const T* __restrict__ query,          // [num_seqs, num_heads, head_size]
@@ -97,24 +108,33 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
   constexpr int ROWS = kNumThreads / LANES;    // K/V rows in flight per step
   static_assert(LANES <= kWarpSize && (LANES & (LANES - 1)) == 0, "row must fit a warp");
 
-  __shared__ float logits[kPartitionSize];
-  __shared__ float scratch[kNumThreads / kWarpSize];
+  __shared__ float logits[GROUP][kPartitionSize];
+  __shared__ float scratch[GROUP][kNumWarps];
   __shared__ float row_acc[ROWS][HEAD_SIZE];
 
-  const int head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
-  const int num_partitions = gridDim.z;
-  const int64_t out_offset = seq * shape.out_stride_seq + head * shape.out_stride_head;
+  // Which query heads: [first_head, first_head + num_q), all reading KV head kv_head.
+  const int group_size = shape.num_heads / shape.num_kv_heads;
+  const int chunks = (group_size + GROUP - 1) / GROUP;
+  const int kv_head = blockIdx.x / chunks;
+  const int chunk_start = (blockIdx.x % chunks) * GROUP;
+  const int first_head = kv_head * group_size + chunk_start;
+  const int num_q = min(GROUP, group_size - chunk_start);
+  const int seq = blockIdx.y, part = blockIdx.z, num_partitions = gridDim.z;
+  auto out_row = [&](int g) { return out + seq * shape.out_stride_seq + (first_head + g) * shape.out_stride_head; };
+  auto partial_index = [&](int g) {
+    return (static_cast<int64_t>(seq) * shape.num_heads + first_head + g) * num_partitions + part;
+  };
+
   const int context_len = context_lens[seq];
   if (context_len == 0) {  // nothing to attend to: zeros (the reduce kernel does it otherwise)
     if (num_partitions == 1)
-      for (int d = threadIdx.x; d < HEAD_SIZE; d += kNumThreads) out[out_offset + d] = from_float<T>(0.f);
+      for (int i = threadIdx.x; i < num_q * HEAD_SIZE; i += kNumThreads) out_row(i / HEAD_SIZE)[i % HEAD_SIZE] = from_float<T>(0.f);
     return;
   }
   const int start = part * kPartitionSize;
   if (start >= context_len) return;  // this sequence is shorter than the longest one
   const int n = min(context_len - start, kPartitionSize);
 
-  const int kv_head = head / (shape.num_heads / shape.num_kv_heads);
   const int lane = threadIdx.x % LANES, row = threadIdx.x / LANES;
   const int* table = block_tables + static_cast<int64_t>(seq) * shape.max_blocks_per_seq;
   const int64_t lane_offset = kv_head * shape.cache_stride_head + lane * VEC;
@@ -125,13 +145,19 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
            (pos % shape.block_size) * shape.cache_stride_token + lane_offset;
   };
 
-  float q[VEC];  // this lane's slice of the query, fp32, pre-scaled
-  const T* q_row = query + seq * shape.q_stride_seq + head * shape.q_stride_head + lane * VEC;
+  float q[GROUP][VEC];  // this lane's slice of each query head, fp32, pre-scaled (0 past num_q)
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) q[i] = to_float(q_row[i]) * scale;
+  for (int g = 0; g < GROUP; ++g) {
+    const T* q_row = query + seq * shape.q_stride_seq + (first_head + g) * shape.q_stride_head + lane * VEC;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) q[g][i] = g < num_q ? to_float(q_row[i]) * scale : 0.f;
+  }
 
-  // Pass 1: logits[t] = q . k_t. The trip count is the same for all threads (shuffles inside).
-  float max_logit = -FLT_MAX;
+  // Pass 1: logits[g][t] = q_g . k_t. Trip counts and `g < num_q` are uniform across the block
+  // (the shuffles inside need every lane).
+  float max_logit[GROUP];
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) max_logit[g] = -FLT_MAX;
   for (int base = 0; base < n; base += ROWS * kUnroll) {
     uint4 raw[kUnroll];
 #pragma unroll
@@ -141,31 +167,42 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
+      const int t = base + u * ROWS + row;
       float k[VEC];
       unpack<T>(raw[u], k);
-      float s = 0.f;
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) s += q[i] * k[i];
-      s = group_sum<LANES>(s);
-      const int t = base + u * ROWS + row;
-      if (t < n) {
-        max_logit = fmaxf(max_logit, s);
-        if (lane == 0) logits[t] = s;
+      for (int g = 0; g < GROUP; ++g) {
+        if (g < num_q) {
+          float s = 0.f;
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) s += q[g][i] * k[i];
+          s = group_sum<LANES>(s);
+          if (t < n) {
+            max_logit[g] = fmaxf(max_logit[g], s);
+            if (lane == 0) logits[g][t] = s;
+          }
+        }
       }
     }
   }
-  max_logit = block_reduce(max_logit, scratch, MaxOp{});  // also publishes logits[]
+  block_reduce<GROUP>(max_logit, scratch, MaxOp{});  // also publishes logits[][]
 
-  float exp_sum = 0.f;
-  for (int t = threadIdx.x; t < n; t += kNumThreads) {
-    const float e = expf(logits[t] - max_logit);
-    logits[t] = e;
-    exp_sum += e;
+  float exp_sum[GROUP];
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    exp_sum[g] = 0.f;
+    if (g < num_q) {
+      for (int t = threadIdx.x; t < n; t += kNumThreads) {
+        const float e = expf(logits[g][t] - max_logit[g]);
+        logits[g][t] = e;
+        exp_sum[g] += e;
+      }
+    }
   }
-  exp_sum = block_reduce(exp_sum, scratch, SumOp{});  // also publishes the exponentials
+  block_reduce<GROUP>(exp_sum, scratch, SumOp{});  // also publishes the exponentials
 
-  // Pass 2: acc = sum_t p_t * v_t, each row of threads over its own tokens.
-  float acc[VEC] = {};
+  // Pass 2: acc[g] = sum_t p[g][t] * v_t, each row of threads over its own tokens.
+  float acc[GROUP][VEC] = {};
   for (int base = 0; base < n; base += ROWS * kUnroll) {
     uint4 raw[kUnroll];
 #pragma unroll
@@ -179,30 +216,41 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
       if (t >= n) continue;
       float v[VEC];
       unpack<T>(raw[u], v);
-      const float p = logits[t];
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] += p * v[i];
+      for (int g = 0; g < GROUP; ++g) {
+        if (g < num_q) {
+          const float p = logits[g][t];
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[g][i] += p * v[i];
+        }
+      }
     }
   }
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) row_acc[row][lane * VEC + i] = acc[i];
-  __syncthreads();
 
-  const int64_t partial = (static_cast<int64_t>(seq) * shape.num_heads + head) * num_partitions + part;
-  for (int d = threadIdx.x; d < HEAD_SIZE; d += kNumThreads) {
-    float o = 0.f;
+  // Sum the rows' accumulators, one query head at a time through row_acc.
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) o += row_acc[r][d];
-    o /= exp_sum;  // normalised within this partition
-    if (num_partitions == 1) {
-      out[out_offset + d] = from_float<T>(o);
-    } else {
-      partial_out[partial * HEAD_SIZE + d] = o;
+  for (int g = 0; g < GROUP; ++g) {
+    if (g < num_q) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) row_acc[row][lane * VEC + i] = acc[g][i];
+      __syncthreads();
+      for (int d = threadIdx.x; d < HEAD_SIZE; d += kNumThreads) {
+        float o = 0.f;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) o += row_acc[r][d];
+        o /= exp_sum[g];  // normalised within this partition
+        if (num_partitions == 1) {
+          out_row(g)[d] = from_float<T>(o);
+        } else {
+          partial_out[partial_index(g) * HEAD_SIZE + d] = o;
+        }
+      }
+      __syncthreads();  // row_acc is rewritten for the next head
+      if (num_partitions > 1 && threadIdx.x == 0) {
+        partial_max[partial_index(g)] = max_logit[g];
+        partial_sum[partial_index(g)] = exp_sum[g];
+      }
     }
-  }
-  if (num_partitions > 1 && threadIdx.x == 0) {
-    partial_max[partial] = max_logit;
-    partial_sum[partial] = exp_sum;
   }
 }
 
@@ -218,7 +266,7 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_reduce_kernel(
     const int* __restrict__ context_lens,     // [num_seqs]
     const AttentionShape shape, const int num_partitions) {
   extern __shared__ float weights[];  // [num_partitions]
-  __shared__ float scratch[kNumThreads / kWarpSize];
+  __shared__ float scratch[1][kNumWarps];
 
   const int head = blockIdx.x, seq = blockIdx.y;
   const int64_t out_offset = seq * shape.out_stride_seq + head * shape.out_stride_head;
@@ -230,33 +278,35 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_reduce_kernel(
   const int used = min((context_len + kPartitionSize - 1) / kPartitionSize, num_partitions);
   const int64_t first = (static_cast<int64_t>(seq) * shape.num_heads + head) * num_partitions;
 
-  float max_logit = -FLT_MAX;
-  for (int p = threadIdx.x; p < used; p += kNumThreads) max_logit = fmaxf(max_logit, partial_max[first + p]);
-  max_logit = block_reduce(max_logit, scratch, MaxOp{});
+  float max_logit[1] = {-FLT_MAX};
+  for (int p = threadIdx.x; p < used; p += kNumThreads) max_logit[0] = fmaxf(max_logit[0], partial_max[first + p]);
+  block_reduce<1>(max_logit, scratch, MaxOp{});
 
-  float total = 0.f;
+  float total[1] = {0.f};
   for (int p = threadIdx.x; p < used; p += kNumThreads) {
-    const float w = partial_sum[first + p] * expf(partial_max[first + p] - max_logit);
+    const float w = partial_sum[first + p] * expf(partial_max[first + p] - max_logit[0]);
     weights[p] = w;
-    total += w;
+    total[0] += w;
   }
-  total = block_reduce(total, scratch, SumOp{});  // also publishes weights[]
+  block_reduce<1>(total, scratch, SumOp{});  // also publishes weights[]
 
   for (int d = threadIdx.x; d < HEAD_SIZE; d += kNumThreads) {
     float o = 0.f;
     for (int p = 0; p < used; ++p) o += weights[p] * partial_out[(first + p) * HEAD_SIZE + d];
-    out[out_offset + d] = from_float<T>(o / total);
+    out[out_offset + d] = from_float<T>(o / total[0]);
   }
 }
 
-template <typename T, int HEAD_SIZE>
+template <typename T, int HEAD_SIZE, int GROUP>
 cudaError_t launch(void* out, const void* query, const void* key_cache, const void* value_cache,
                    const int* block_tables, const int* context_lens, float* partial_out, float* partial_max,
                    float* partial_sum, const AttentionShape& shape, float scale, int max_context_len,
                    cudaStream_t stream) {
   const int num_partitions = attention_num_partitions(max_context_len);
-  const dim3 grid(shape.num_heads, shape.num_seqs, num_partitions);
-  paged_attention_kernel<T, HEAD_SIZE><<<grid, kNumThreads, 0, stream>>>(
+  const int group_size = shape.num_heads / shape.num_kv_heads;
+  const int chunks = (group_size + GROUP - 1) / GROUP;
+  const dim3 grid(shape.num_kv_heads * chunks, shape.num_seqs, num_partitions);
+  paged_attention_kernel<T, HEAD_SIZE, GROUP><<<grid, kNumThreads, 0, stream>>>(
       static_cast<T*>(out), static_cast<const T*>(query), static_cast<const T*>(key_cache),
       static_cast<const T*>(value_cache), block_tables, context_lens, partial_out, partial_max, partial_sum,
       shape, scale);
@@ -268,11 +318,20 @@ cudaError_t launch(void* out, const void* query, const void* key_cache, const vo
   return cudaGetLastError();
 }
 
+// Smallest instantiated GROUP that holds a whole GQA group; groups past 8 go in chunks of 8.
+template <typename T, int HEAD_SIZE, typename... Args>
+cudaError_t launch_for_group(int group_size, Args... args) {
+  if (group_size == 1) return launch<T, HEAD_SIZE, 1>(args...);
+  if (group_size <= 4) return launch<T, HEAD_SIZE, 4>(args...);
+  return launch<T, HEAD_SIZE, 8>(args...);
+}
+
 template <typename T, typename... Args>
-cudaError_t launch_for_head_size(int head_size, Args... args) {
-  switch (head_size) {
-    case 64: return launch<T, 64>(args...);
-    case 128: return launch<T, 128>(args...);
+cudaError_t launch_for_shape(const AttentionShape& shape, Args... args) {
+  const int group_size = shape.num_heads / shape.num_kv_heads;
+  switch (shape.head_size) {
+    case 64: return launch_for_group<T, 64>(group_size, args...);
+    case 128: return launch_for_group<T, 128>(group_size, args...);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -292,15 +351,15 @@ cudaError_t paged_attention(void* out, const void* query, const void* key_cache,
   if (shape.num_seqs == 0 || shape.num_heads == 0) return cudaSuccess;
   switch (dtype) {
     case DType::kFloat32:
-      return launch_for_head_size<float>(shape.head_size, out, query, key_cache, value_cache, block_tables,
+      return launch_for_shape<float>(shape, out, query, key_cache, value_cache, block_tables,
                                          context_lens, partial_out, partial_max, partial_sum, shape, scale,
                                          max_context_len, stream);
     case DType::kFloat16:
-      return launch_for_head_size<__half>(shape.head_size, out, query, key_cache, value_cache, block_tables,
+      return launch_for_shape<__half>(shape, out, query, key_cache, value_cache, block_tables,
                                           context_lens, partial_out, partial_max, partial_sum, shape, scale,
                                           max_context_len, stream);
     case DType::kBFloat16:
-      return launch_for_head_size<__nv_bfloat16>(shape.head_size, out, query, key_cache, value_cache,
+      return launch_for_shape<__nv_bfloat16>(shape, out, query, key_cache, value_cache,
                                                  block_tables, context_lens, partial_out, partial_max,
                                                  partial_sum, shape, scale, max_context_len, stream);
   }
