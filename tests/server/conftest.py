@@ -61,7 +61,9 @@ def start_server(*flags: str, wait_healthy: bool = True, timeout: float = 180.0,
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="paged-serve-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), *flags]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # NOTE: one intra-op thread: on the 2 shared cores of CI, torch's OpenMP threads spin against
+    # the test process and other jobs, and a batched step gets 5-10x slower.
+    full_env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if "PAGED_SERVE_API_KEY" not in (env or {}):
         full_env.pop("PAGED_SERVE_API_KEY", None)
     with open(log_path, "w") as log:

@@ -115,8 +115,12 @@ def test_greedy_same_across_paths(url, client, model, greedy):
 
 
 def test_greedy_equals_offline_engine(greedy):
+    import torch
+
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)  # as the server runs in these tests (see conftest)
 
     llm = LLM(max_model_len=256, kv_cache_memory="32MiB")
     out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=N_TOK))[0]
