@@ -117,6 +117,8 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
                   block_tables.dim() == 2 && block_tables.size(0) == query.size(0) && context_lens.numel() == query.size(0),
               "block_tables must be [num_seqs, max_blocks_per_seq] int32, context_lens [num_seqs] int32");
   check_on(query.device(), {&out, &key_cache, &value_cache, &block_tables, &context_lens}, "paged_attention");
+  TORCH_CHECK(max_context_len <= cuda::kMaxContextLen, "paged_attention: contexts are limited to ",
+              cuda::kMaxContextLen, " tokens, got max_context_len ", max_context_len);
   const c10::cuda::CUDAGuard guard(query.device());
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
   const cuda::AttentionShape shape{

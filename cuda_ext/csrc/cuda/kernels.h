@@ -14,16 +14,28 @@ namespace paged_serve::cuda {
 
 enum class DType { kFloat32, kFloat16, kBFloat16 };
 
-// Tokens per partition of the split-context (two-pass) attention path.
+// Tokens per partition of the split-context (two-pass) attention path, and the most
+// partitions one sequence may have (contexts up to kPartitionSize * kMaxPartitions tokens).
 constexpr int kPartitionSize = 512;
+constexpr int kMaxPartitions = 1024;
 
 // Head sizes the attention kernel is instantiated for; bindings reject the others.
-bool attention_supports_head_size(int head_size);
+inline bool attention_supports_head_size(int head_size) { return head_size == 64 || head_size == 128; }
 
 // Number of partitions paged_attention uses for this max_context_len; 1 means single pass
 // (no scratch buffers needed). max_context_len must be >= every context length: longer
 // contexts would be cut at num_partitions * kPartitionSize tokens.
-int attention_num_partitions(int max_context_len);
+inline int attention_num_partitions(int max_context_len) {
+  return max_context_len <= kPartitionSize ? 1 : (max_context_len + kPartitionSize - 1) / kPartitionSize;
+}
+
+// Longest context paged_attention accepts.
+constexpr int kMaxContextLen = kPartitionSize * kMaxPartitions;
+
+// Query heads one attention thread block computes for a GQA group of group_size query heads
+// per KV head: the smallest instantiation (1, 4 or 8) that holds the group; larger groups run
+// in chunks of 8.
+inline int attention_heads_per_block(int group_size) { return group_size == 1 ? 1 : group_size <= 4 ? 4 : 8; }
 
 struct AttentionShape {
   int num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq;
