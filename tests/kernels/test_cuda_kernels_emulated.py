@@ -1,4 +1,4 @@
-"""The CUDA paged attention kernels, run unchanged on the CPU through a small CUDA emulator
+"""The CUDA kernels (paged attention, reshape_and_cache, copy_blocks), run unchanged on the CPU through a small CUDA emulator
 (tests/kernels/cuda_sim), against the reference. This checks their indexing, GQA chunking,
 partition split and reduction, and barrier/shuffle discipline on machines without a GPU; real
 GPU runs are scripts/gpu_check.sh. Needs a C++20 compiler and the CUDA headers (nvcc's)."""
@@ -50,38 +50,41 @@ def sim_lib() -> ctypes.CDLL:
     compiler = os.environ.get("CXX", "c++")
     if include is None or shutil.which(compiler) is None:
         pytest.skip("needs a C++ compiler and the CUDA headers")
-    sources = [SIM_DIR / "cuda_sim.h", SIM_DIR / "sim_attention.cpp", CUDA_DIR / "attention_kernels.cuh",
+    units = [SIM_DIR / "sim_attention.cpp", SIM_DIR / "sim_cache.cpp"]
+    sources = [*units, SIM_DIR / "cuda_sim.h", CUDA_DIR / "attention_kernels.cuh", CUDA_DIR / "cache_kernels.cuh",
                CUDA_DIR / "kernels.h"]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + str(include).encode()).hexdigest()[:16]
-    lib_path = build.cache_root() / f"cuda_sim_attention_{digest}.so"
+    lib_path = build.cache_root() / f"cuda_sim_{digest}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
         subprocess.run([compiler, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
-                        "-isystem", str(include), str(SIM_DIR / "sim_attention.cpp"), "-o", str(tmp)], check=True)
+                        "-isystem", str(include), *map(str, units), "-o", str(tmp)], check=True)
         os.replace(tmp, lib_path)
     return ctypes.CDLL(str(lib_path))
+
+
+def call_with_timeout(fn) -> int:
+    """Run fn() (a call into the emulator) on a thread; a kernel that skips a barrier on some
+    threads deadlocks in the emulator, so give up after a while."""
+    result: list[int] = []
+    worker = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    worker.start()
+    worker.join(timeout=180)
+    assert not worker.is_alive(), "emulated kernel hung: a __syncthreads or shuffle is not reached by all threads"
+    return result[0]
 
 
 def run_emulated(lib, out, query, key_cache, value_cache, tables, lens, scale, max_context_len):
     strides = (ctypes.c_int64 * 7)(query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                                    key_cache.stride(0), key_cache.stride(1), key_cache.stride(2))
     ptr = ctypes.c_void_p
-    result: list[int] = []
-
-    def call():
-        result.append(lib.sim_paged_attention(
-            ptr(out.data_ptr()), ptr(query.data_ptr()), ptr(key_cache.data_ptr()), ptr(value_cache.data_ptr()),
-            ptr(tables.data_ptr()), ptr(lens.data_ptr()), DTYPE_CODES[query.dtype], query.shape[0],
-            query.shape[1], key_cache.shape[1], query.shape[2], key_cache.shape[2], tables.shape[1], strides,
-            ctypes.c_float(scale), max_context_len))
-
-    # NOTE: a kernel that skips a barrier on some threads deadlocks in the emulator: time out.
-    worker = threading.Thread(target=call, daemon=True)
-    worker.start()
-    worker.join(timeout=180)
-    assert not worker.is_alive(), "emulated kernel hung: a __syncthreads or shuffle is not reached by all threads"
-    assert result == [0], "configuration not instantiated"
+    rc = call_with_timeout(lambda: lib.sim_paged_attention(
+        ptr(out.data_ptr()), ptr(query.data_ptr()), ptr(key_cache.data_ptr()), ptr(value_cache.data_ptr()),
+        ptr(tables.data_ptr()), ptr(lens.data_ptr()), DTYPE_CODES[query.dtype], query.shape[0],
+        query.shape[1], key_cache.shape[1], query.shape[2], key_cache.shape[2], tables.shape[1], strides,
+        ctypes.c_float(scale), max_context_len))
+    assert rc == 0, "configuration not instantiated"
 
 
 @pytest.mark.parametrize(("dtype", "head_size", "heads", "block_size", "context_lens"), CASES,
@@ -104,3 +107,44 @@ def test_cuda_attention_kernel_emulated(sim_lib, dtype, head_size, heads, block_
 
     assert not out.isnan().any(), "read a slot outside some sequence's context"
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_reshape_and_cache_kernel_emulated(sim_lib, dtype):
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, num_kv_heads, block_size, head_size, num_tokens = 12, 2, 8, 64, 21
+    key_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_size, generator=gen).to(dtype)
+    value_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_size, generator=gen).to(dtype)
+    qkv = torch.randn(num_tokens, 4 + 2 * num_kv_heads, head_size, generator=gen).to(dtype)
+    key, value = qkv[:, 4:4 + num_kv_heads], qkv[:, 4 + num_kv_heads:]  # strided, as sliced from qkv
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::4] = -1
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(key, value, expected_k, expected_v, slots)
+
+    s = (ctypes.c_int64 * 7)(key.stride(0), key.stride(1), value.stride(0), value.stride(1), key_cache.stride(0),
+                             key_cache.stride(1), key_cache.stride(2))
+    ptr = ctypes.c_void_p
+    rc = call_with_timeout(lambda: sim_lib.sim_reshape_and_cache(
+        ptr(key.data_ptr()), ptr(value.data_ptr()), ptr(key_cache.data_ptr()), ptr(value_cache.data_ptr()),
+        ptr(slots.data_ptr()), num_tokens, num_kv_heads, head_size, block_size, s, key.element_size()))
+
+    assert rc == 0
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
+def test_cuda_copy_blocks_kernel_emulated(sim_lib):
+    gen = torch.Generator().manual_seed(8)
+    caches = [torch.randn(10, 2, 8, 64, generator=gen).bfloat16() for _ in range(4)]  # 2 layers x (K, V)
+    mapping = torch.tensor([[1, 7], [4, 2], [1, 9]])
+    expected = [c.clone() for c in caches]
+    reference.copy_blocks(expected[:2], expected[2:], mapping)
+
+    ptrs = (ctypes.c_int64 * len(caches))(*[c.data_ptr() for c in caches])
+    block_bytes = caches[0][0].numel() * caches[0].element_size()
+    rc = call_with_timeout(lambda: sim_lib.sim_copy_blocks(
+        ptrs, ctypes.c_void_p(mapping.data_ptr()), len(caches), mapping.shape[0], ctypes.c_int64(block_bytes)))
+
+    assert rc == 0
+    for got, want in zip(caches, expected):
+        assert torch.equal(got, want)
