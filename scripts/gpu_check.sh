@@ -14,9 +14,18 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 step() { echo; echo "== $* ($(date +%T))"; }
 
+# torch guesses CUDA_HOME from the directory above `nvcc`, which is wrong when nvcc is a
+# wrapper script (e.g. /usr/local/bin/nvcc): point it at a directory with the CUDA headers.
+if [[ -z ${CUDA_HOME:-} ]]; then
+  for home in /usr/local/cuda "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc || echo /)")")")"; do
+    if [[ -f $home/include/cuda_runtime.h ]]; then export CUDA_HOME=$home; break; fi
+  done
+fi
+
 step "environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 command -v nvcc >/dev/null && nvcc --version | tail -1
+echo "CUDA_HOME=${CUDA_HOME:-unset}"
 "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
 
 step "build the CUDA ops"
