@@ -24,7 +24,8 @@ def now() -> int:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NOTE: Python's json accepts NaN and Infinity; a NaN temperature would poison a whole batch.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):

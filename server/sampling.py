@@ -10,6 +10,8 @@ from server.errors import bad_request, from_value_error
 from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from server.settings import ServerSettings
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
 
 def _common_checks(req: _SamplingFields, settings: ServerSettings, vocab_size: int | None) -> dict:
     n = 1 if req.n is None else req.n
@@ -28,6 +30,11 @@ def _common_checks(req: _SamplingFields, settings: ServerSettings, vocab_size: i
             raise bad_request("best_of must equal n when streaming.", param="best_of")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true.", param="stream_options")
+    if req.seed is not None and not _INT64_MIN <= req.seed <= _INT64_MAX:
+        raise bad_request("seed must be a 64-bit signed integer.", param="seed")
+    top_k = req.top_k
+    if top_k is not None and vocab_size is not None and top_k >= vocab_size:
+        top_k = -1  # the whole vocabulary: no top-k restriction
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > settings.max_stop_sequences:
         raise bad_request(f"stop may hold at most {settings.max_stop_sequences} sequences, got {len(stop)}.",
@@ -59,7 +66,7 @@ def _common_checks(req: _SamplingFields, settings: ServerSettings, vocab_size: i
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
     )
-    optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+    optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=top_k, min_p=req.min_p,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                     repetition_penalty=req.repetition_penalty)
     kwargs.update({k: v for k, v in optional.items() if v is not None})

@@ -73,6 +73,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "min_p": 2}, "min_p"),
     ({"prompt": "hi", "suffix": "x"}, "suffix"),
     ({"prompt": "x" * 100, "max_tokens": 100}, "prompt"),
+    ({"prompt": "hi", "seed": 2**70}, "seed"),
+    ({"prompt": "hi", "stop_token_ids": [10**12]}, "stop_token_ids"),
+    ({"prompt": "hi", "max_tokens": 10**12}, "prompt"),
 ]
 
 BAD_CHAT = [
@@ -99,7 +102,8 @@ def test_bad_chat_requests_are_400(fake_server, body, param):
     assert_error(post(fake_server, "/v1/chat/completions", body), 400, param)
 
 
-@pytest.mark.parametrize("body", ["{bad json", "[1, 2]", "null", '"text"', ""])
+@pytest.mark.parametrize("body", ["{bad json", "[1, 2]", "null", '"text"', "",
+                                  '{"prompt": "hi", "temperature": NaN}', '{"prompt": "hi", "top_p": Infinity}'])
 def test_malformed_bodies_are_400(fake_server, body):
     assert_error(post(fake_server, "/v1/completions", body), 400)
     assert_error(post(fake_server, "/v1/chat/completions", body), 400)

@@ -260,6 +260,14 @@ def test_errors(url, client, model):
         client.chat.completions.create(model=model, messages=MESSAGES, top_logprobs=3)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model, messages=MESSAGES, stream_options={"include_usage": True})
+    extreme = {"top_k": 10**12, "temperature": 1e30, "repetition_penalty": 1e30, "seed": -1, "min_p": 1.0}
+    for key, value in extreme.items():
+        r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, key: value})
+        assert r.status_code == 200, (key, r.text)
+    for bad in ({"max_tokens": 10**12}, {"stop_token_ids": [10**12]}, {"logit_bias": {str(10**10): 1}},
+                {"seed": 2**64}, {"prompt": [10**9]}):
+        r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **bad})
+        assert r.status_code == 400, (bad, r.text)
     r = httpx.post(url + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert httpx.get(url + "/health").status_code == 200
