@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import time
 from pathlib import Path
 
@@ -40,6 +41,23 @@ def cache_root() -> Path:
     if env:
         return Path(env).expanduser()
     return Path.home() / ".cache" / "paged-serve" / "torch_extensions"
+
+
+def cuda_home() -> Path | None:
+    """The CUDA toolkit directory (with include/cuda_runtime.h and bin/nvcc), or None.
+
+    NOTE: torch guesses the directory above the first ``nvcc`` on PATH, which is wrong when
+    that is a wrapper script (``/usr/local/bin/nvcc`` execs ``/usr/local/cuda-13.0/bin/nvcc``).
+    """
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(nvcc).resolve().parents[1]))
+    for home in filter(None, candidates):
+        path = Path(home)
+        if (path / "include" / "cuda_runtime.h").exists() and (path / "bin" / "nvcc").exists():
+            return path
+    return None
 
 
 def _cpu_signature() -> str:
@@ -79,6 +97,12 @@ def load(kind: str) -> Path:
     sources = [str(CSRC / s) for s in CPU_SOURCES]
     if kind == "cuda":
         sources += [str(CSRC / s) for s in CUDA_SOURCES]
+    if kind == "cuda":
+        home = cuda_home()
+        if home is None:
+            raise RuntimeError("no CUDA toolkit found (set CUDA_HOME)")
+        # cpp_extension read CUDA_HOME when it was imported; correct a wrong guess of its own.
+        cpp_extension.CUDA_HOME = str(home)
     first = not (build_dir / f"{name}.so").exists()
     if first:
         logger.info(

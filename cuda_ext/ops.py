@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 from collections.abc import Sequence
 
 import torch
@@ -79,11 +78,9 @@ def compiled_library():
 
 
 def _nvcc_available() -> bool:
-    from torch.utils.cpp_extension import CUDA_HOME
+    from cuda_ext import build
 
-    return CUDA_HOME is not None and (
-        shutil.which("nvcc") is not None or os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc"))
-    )
+    return build.cuda_home() is not None
 
 
 def _compiled_for(t: Tensor) -> bool:
