@@ -18,6 +18,7 @@ from server.generation import DeltaTracker, collect, merged, release, sorted_cho
 from server.logprobs import completion_logprobs
 from server.protocol import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
@@ -85,9 +86,19 @@ def _decode_one(ctx: ServerContext):
     return lambda token_id: ctx.tokenizer.decode([token_id])
 
 
-def _prompt_logprobs(ctx: ServerContext, output: RequestOutput, offset: int):
-    entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-    return completion_logprobs(entries, output.prompt_token_ids, _decode_one(ctx), offset)
+def _logprobs(ctx: ServerContext, output: RequestOutput, entries: list, token_ids: list[int],
+              echo: str | None, offset: int) -> tuple[CompletionLogprobs, int]:
+    """Logprobs of `token_ids` with text offsets from `offset`; with `echo` (the prompt's text,
+    on a choice's first chunk) the prompt's tokens come first. Returns the offset after them."""
+    decode = _decode_one(ctx)
+    if echo is None:
+        return completion_logprobs(entries, token_ids, decode, offset)
+    prompt_entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    head, _ = completion_logprobs(prompt_entries, output.prompt_token_ids, decode, 0)
+    tail, end = completion_logprobs(entries, token_ids, decode, len(echo))
+    for field in CompletionLogprobs.model_fields:
+        getattr(head, field).extend(getattr(tail, field))
+    return head, end
 
 
 async def _full(ctx: ServerContext, req: CompletionRequest, params: SamplingParams, request_id: str,
@@ -99,20 +110,11 @@ async def _full(ctx: ServerContext, req: CompletionRequest, params: SamplingPara
             prompt_tokens += len(output.prompt_token_ids)
             for choice in sorted_choices(output):
                 completion_tokens += len(choice.token_ids)
-                prefix = echo_texts[p] if echo_texts is not None else ""
+                echo = echo_texts[p] if echo_texts is not None else None
                 logprobs = None
                 if params.logprobs is not None:
-                    offset = 0
-                    if echo_texts is not None:
-                        logprobs, offset = _prompt_logprobs(ctx, output, 0)
-                        offset = len(prefix)
-                    gen, _ = completion_logprobs(choice.logprobs or [], choice.token_ids, _decode_one(ctx), offset)
-                    if logprobs is None:
-                        logprobs = gen
-                    else:
-                        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                            getattr(logprobs, field).extend(getattr(gen, field))
-                choices.append(CompletionChoice(index=p * params.n + choice.index, text=prefix + choice.text,
+                    logprobs, _ = _logprobs(ctx, output, choice.logprobs or [], choice.token_ids, echo, 0)
+                choices.append(CompletionChoice(index=p * params.n + choice.index, text=(echo or "") + choice.text,
                                                 logprobs=logprobs, finish_reason=choice.finish_reason,
                                                 stop_reason=choice.stop_reason))
         choices.sort(key=lambda c: c.index)
@@ -145,21 +147,11 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingPa
         async for p, output in merged(streams):
             choices = []
             for delta in tracker.deltas(p, output):
-                text, logprobs = delta.text, None
-                offset = offsets.get(delta.index, 0)
-                if delta.first and echo_texts is not None:
-                    if params.logprobs is not None:
-                        logprobs, _ = _prompt_logprobs(ctx, output, 0)
-                    text = echo_texts[p] + text
-                    offset = len(echo_texts[p])
+                echo = echo_texts[p] if echo_texts is not None and delta.first else None
+                text, logprobs = (echo or "") + delta.text, None
                 if params.logprobs is not None:
-                    gen, offsets[delta.index] = completion_logprobs(delta.logprobs or [], delta.token_ids,
-                                                                    _decode_one(ctx), offset)
-                    if logprobs is None:
-                        logprobs = gen
-                    else:
-                        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                            getattr(logprobs, field).extend(getattr(gen, field))
+                    logprobs, offsets[delta.index] = _logprobs(ctx, output, delta.logprobs or [], delta.token_ids,
+                                                               echo, offsets.get(delta.index, 0))
                 choices.append(CompletionChoice(index=delta.index, text=text, logprobs=logprobs,
                                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
             if choices:
