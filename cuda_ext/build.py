@@ -73,6 +73,8 @@ def source_hash(kind: str) -> str:
     """Digest of everything that decides the built binary: sources, headers, flags, toolchain."""
     h = hashlib.sha256()
     for path in sorted(CSRC.rglob("*")):
+        if kind == "cpu" and path.is_relative_to(CSRC / "cuda"):
+            continue  # the CPU build compiles nothing from cuda/
         if path.is_file() and path.suffix in {".cpp", ".cu", ".h", ".cuh"}:
             h.update(str(path.relative_to(CSRC)).encode())
             h.update(path.read_bytes())
@@ -97,7 +99,6 @@ def load(kind: str) -> Path:
     sources = [str(CSRC / s) for s in CPU_SOURCES]
     if kind == "cuda":
         sources += [str(CSRC / s) for s in CUDA_SOURCES]
-    if kind == "cuda":
         home = cuda_home()
         if home is None:
             raise RuntimeError("no CUDA toolkit found (set CUDA_HOME)")
