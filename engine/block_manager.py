@@ -141,10 +141,19 @@ class BlockManager:
     def _tokens_to_allocate(self, seq: Sequence) -> int:
         return max(len(seq), self.reserve_tokens or 0)
 
+    def _num_shared_prompt_blocks(self, group: SequenceGroup, seqs: list[Sequence]) -> int:
+        """Full prompt blocks that the group's sequences share when admitted together (the
+        samples of one prompt being recomputed after preemption): each still computes at
+        least its last token itself."""
+        if len(seqs) < 2:
+            return 0
+        return min([len(group.prompt_token_ids) // self.block_size] + [(len(s) - 1) // self.block_size for s in seqs])
+
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         """Whether the group's waiting sequences can get device blocks for all their tokens."""
         seqs = group.seqs_with_status(SequenceStatus.WAITING)
         needed = sum(self.num_blocks_for(self._tokens_to_allocate(s)) for s in seqs)
+        needed -= (len(seqs) - 1) * self._num_shared_prompt_blocks(group, seqs) if seqs else 0
         if needed > self.gpu.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         if needed <= self.gpu.num_free - self.watermark_blocks:
@@ -155,11 +164,20 @@ class BlockManager:
         """Give each waiting sequence a block table covering its tokens, reusing cached prefix
         blocks when prefix caching is on, and set `num_computed_tokens` to the reused length.
         Assumes `can_allocate` said OK."""
-        for seq in group.seqs_with_status(SequenceStatus.WAITING):
+        seqs = group.seqs_with_status(SequenceStatus.WAITING)
+        n_shared = self._num_shared_prompt_blocks(group, seqs)
+        first: list[Block] = []
+        for idx, seq in enumerate(seqs):
             assert seq.seq_id not in self.tables
             table: list[Block] = []
             hashes = self._full_block_hashes(seq.token_ids, group.params.cache_salt)
-            if self.enable_prefix_caching:
+            if idx > 0 and n_shared:
+                # NOTE: the first sequence computes these blocks in this same step; every layer
+                # writes all K/V of the step before attending, so the others can read them.
+                table = first[:n_shared]
+                for b in table:
+                    b.ref_count += 1
+            elif self.enable_prefix_caching:
                 self.prefix_queries += len(seq)
                 for h, toks in hashes:
                     block = self.gpu.claim_cached(h, toks)
@@ -174,6 +192,8 @@ class BlockManager:
             while len(table) < self.num_blocks_for(self._tokens_to_allocate(seq)):
                 table.append(self.gpu.allocate())
             self.tables[seq.seq_id] = table
+            if idx == 0:
+                first = table
             if self.enable_prefix_caching:
                 for block, (h, toks) in zip(table, hashes):
                     self.gpu.set_hash(block, h, toks)

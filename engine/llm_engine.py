@@ -177,34 +177,28 @@ class LLMEngine:
         return outputs
 
     def _process_samples(self, sched: SchedulerOutput, logits: torch.Tensor, now: float):
-        rows: list[SamplingRow] = []
-        owners: list[tuple[int, object]] = []  # (logits row, scheduled seq)
+        # A request with best_of > 1 forks after its prompt step: its samples share the prompt's
+        # blocks and each draws its first token from its own generator.
+        work: list[tuple[SequenceGroup, list[Sequence], int, bool]] = []  # group, seqs, logits row, prefill
         for i, s in enumerate(sched.scheduled):
-            if s.seq.num_uncomputed_tokens > 0:
-                continue  # (never: every scheduled sequence computes its tail)
-            copies = s.group.params.best_of if not s.group.forked else 1
-            for _ in range(copies):
-                rows.append(self._row(s.seq, s.group))
-                owners.append((i, s))
+            seqs = [s.seq]
+            if not s.group.forked:
+                seqs += self._fork(s.seq, s.group, s.group.params.best_of - 1)
+                s.group.forked = True
+            work.append((s.group, seqs, i, s.is_prefill))
+        rows = [self._row(seq, group) for group, seqs, _, _ in work for seq in seqs]
         if not rows:
             return [], []
-        index = torch.tensor([i for i, _ in owners], device=logits.device)
+        index = torch.tensor([i for _, seqs, i, _ in work for _ in seqs], device=logits.device)
         samples = self._sample(logits.index_select(0, index), rows)
         ttfts, itls = [], []
         k = 0
-        while k < len(owners):
-            _, s = owners[k]
-            group = s.group
-            n = group.params.best_of if not group.forked else 1
-            chunk = samples[k : k + n]
-            k += n
+        for group, seqs, _, is_prefill in work:
+            chunk = samples[k : k + len(seqs)]
+            k += len(seqs)
             try:
                 if any(r is None for r in chunk):
                     raise RuntimeError("sampling failed for this request")
-                seqs = [s.seq]
-                if not group.forked:
-                    seqs += self._fork(s.seq, group, n - 1)
-                    group.forked = True
                 for seq, sample in zip(seqs, chunk):
                     self._append(seq, group, sample)
                 m = group.metrics
@@ -217,7 +211,7 @@ class LLMEngine:
                 m.last_token_time = now
                 m.num_generation_tokens += len(seqs)
                 self._counters["generation"] += len(seqs)
-                if s.is_prefill and group.num_preemptions == 0:
+                if is_prefill and group.num_preemptions == 0:
                     self._counters["prompt"] += len(group.prompt_token_ids)
                 for seq in seqs:
                     if not seq.status.is_finished:
@@ -279,6 +273,8 @@ class LLMEngine:
         if can_stop and (is_eos or t in p.stop_token_ids):
             seq.status = SequenceStatus.FINISHED_STOPPED
             seq.stop_reason = None if is_eos else t
+            if seq.detokenizer is not None:
+                seq.output_text += seq.detokenizer.flush()
             return
         if seq.detokenizer is not None:
             delta = seq.detokenizer.step(t)
