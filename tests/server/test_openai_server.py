@@ -162,6 +162,13 @@ def test_echo(client, model, greedy):
     streamed = client.completions.create(model=model, prompt=PROMPT, max_tokens=N_TOK, temperature=0, echo=True,
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPT + greedy.choices[0].text
+    with_lp = client.completions.create(model=model, prompt=PROMPT, max_tokens=N_TOK, temperature=0, echo=True,
+                                        logprobs=1)
+    lp = with_lp.choices[0].logprobs
+    n_prompt = with_lp.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + N_TOK and lp.token_logprobs[0] is None
+    assert "".join(lp.tokens) == with_lp.choices[0].text
+    assert lp.text_offset[n_prompt] == len(PROMPT)
 
 
 def test_stop_string_and_length(client, model, greedy):
@@ -294,12 +301,27 @@ def test_32_concurrent_mixed_requests(url, greedy):
                                                   "stream": True, "stream_options": {"include_usage": True}})
         return kind, sse_events(r.text)[-1]["usage"]["completion_tokens"]
 
+    async def health_probe(c: httpx.AsyncClient, done: asyncio.Event) -> float:
+        worst = 0.0
+        while not done.is_set():
+            t0 = time.perf_counter()
+            assert (await c.get("/health")).status_code == 200
+            worst = max(worst, time.perf_counter() - t0)
+            await asyncio.sleep(0.05)
+        return worst
+
     async def run():
         limits = httpx.Limits(max_connections=40)
         async with httpx.AsyncClient(base_url=url, timeout=180, limits=limits) as c:
-            return await asyncio.gather(*[one(c, i) for i in range(32)])
+            done = asyncio.Event()
+            probe = asyncio.ensure_future(health_probe(c, done))
+            results = await asyncio.gather(*[one(c, i) for i in range(32)])
+            done.set()
+            return results, await probe
 
-    for kind, result in asyncio.run(run()):
+    results, worst_health = asyncio.run(run())
+    assert worst_health < 2.0, f"/health took {worst_health:.2f} s while the engine was busy"
+    for kind, result in results:
         if kind in (0, 1):
             assert result == expected, "greedy output changed under batching"
         elif kind == 2:
