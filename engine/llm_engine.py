@@ -180,18 +180,25 @@ class LLMEngine:
         # A request with best_of > 1 forks after its prompt step: its samples share the prompt's
         # blocks and each draws its first token from its own generator.
         work: list[tuple[SequenceGroup, list[Sequence], int, bool]] = []  # group, seqs, logits row, prefill
+        beams: dict[str, tuple[SequenceGroup, list[tuple[Sequence, int]], bool]] = {}
+        ttfts: list[float] = []
+        itls: list[float] = []
         for i, s in enumerate(sched.scheduled):
+            if s.group.params.use_beam_search:
+                beams.setdefault(s.group.request_id, (s.group, [], s.is_prefill))[1].append((s.seq, i))
+                continue
             seqs = [s.seq]
             if not s.group.forked:
                 seqs += self._fork(s.seq, s.group, s.group.params.best_of - 1)
                 s.group.forked = True
             work.append((s.group, seqs, i, s.is_prefill))
+        for group, seq_rows, is_prefill in beams.values():
+            self._beam_step(group, seq_rows, logits, is_prefill, now, ttfts, itls)
         rows = [self._row(seq, group) for group, seqs, _, _ in work for seq in seqs]
         if not rows:
-            return [], []
+            return ttfts, itls
         index = torch.tensor([i for _, seqs, i, _ in work for _ in seqs], device=logits.device)
         samples = self._sample(logits.index_select(0, index), rows)
-        ttfts, itls = [], []
         k = 0
         for group, seqs, _, is_prefill in work:
             chunk = samples[k : k + len(seqs)]
@@ -201,27 +208,46 @@ class LLMEngine:
                     raise RuntimeError("sampling failed for this request")
                 for seq, sample in zip(seqs, chunk):
                     self._append(seq, group, sample)
-                m = group.metrics
-                if m.first_token_time is None:
-                    m.first_token_time = now
-                    ttfts.append(now - m.arrival_time)
-                else:
-                    itls.append(now - m.last_token_time)
-                    m.inter_token_latencies.append(now - m.last_token_time)
-                m.last_token_time = now
-                m.num_generation_tokens += len(seqs)
-                self._counters["generation"] += len(seqs)
-                if is_prefill and group.num_preemptions == 0:
-                    self._counters["prompt"] += len(group.prompt_token_ids)
-                for seq in seqs:
-                    if not seq.status.is_finished:
-                        self.block_manager.register_full_blocks(seq, group.params.cache_salt)
+                self._record_progress(group, len(seqs), is_prefill, now, ttfts, itls)
             except Exception as e:  # one request's failure must not take the others down
-                logger.exception("request %s failed while processing its sample", group.request_id)
-                group.error = f"{type(e).__name__}: {e}"
-                for seq in group.unfinished_seqs:
-                    seq.status = SequenceStatus.FINISHED_ABORTED
+                self._fail(group, e)
         return ttfts, itls
+
+    def _beam_step(self, group, seq_rows, logits, is_prefill, now, ttfts, itls) -> None:
+        """Beam search for one request (engine/beam_search.py decides which beams live on)."""
+        from engine.beam_search import beam_search_step
+
+        try:
+            n = beam_search_step(self, group, seq_rows, logits)
+            self._record_progress(group, n, is_prefill, now, ttfts, itls)
+        except Exception as e:
+            self._fail(group, e)
+
+    def _record_progress(self, group, num_new_tokens, is_prefill, now, ttfts, itls) -> None:
+        """Latency and token accounting after a request got `num_new_tokens` tokens this step;
+        registers newly filled blocks for prefix caching."""
+        m = group.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            ttfts.append(now - m.arrival_time)
+        else:
+            itls.append(now - m.last_token_time)
+            m.inter_token_latencies.append(now - m.last_token_time)
+        m.last_token_time = now
+        m.num_generation_tokens += num_new_tokens
+        self._counters["generation"] += num_new_tokens
+        if is_prefill and group.num_preemptions == 0:
+            self._counters["prompt"] += len(group.prompt_token_ids)
+        for seq in group.seqs:
+            if seq.status == SequenceStatus.RUNNING and seq.seq_id in self.block_manager.tables:
+                self.block_manager.register_full_blocks(seq, group.params.cache_salt)
+
+    def _fail(self, group: SequenceGroup, e: Exception) -> None:
+        """One request's failure must not take the others down: it ends aborted, with the error."""
+        logger.exception("request %s failed while processing its sample", group.request_id)
+        group.error = f"{type(e).__name__}: {e}"
+        for seq in group.unfinished_seqs:
+            seq.status = SequenceStatus.FINISHED_ABORTED
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult | None]:
         try:
@@ -311,6 +337,10 @@ class LLMEngine:
     # ---------------------------------------------------------------- outputs
     def _output(self, group: SequenceGroup) -> RequestOutput:
         p = group.params
+        if p.use_beam_search:
+            from engine.beam_search import beam_search_outputs
+
+            return self._request_output(group, beam_search_outputs(self, group))
         seqs = group.seqs
         if group.is_finished and p.best_of > p.n:
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: p.n]
@@ -328,6 +358,9 @@ class LLMEngine:
             )
             for i, s in enumerate(seqs)
         ]
+        return self._request_output(group, outs)
+
+    def _request_output(self, group: SequenceGroup, outs: list[CompletionOutput]) -> RequestOutput:
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
