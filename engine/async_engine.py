@@ -310,9 +310,11 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            error = getattr(output, "error", None)
+            error = getattr(output, "error", None)  # the engine failed this request alone
             if error is not None:
-                stream.put(RequestFailedError(str(error)))
+                stream.put(RequestFailedError(f"Internal error while generating: {error}"))
+                if not output.finished:
+                    self.abort(output.request_id)
             else:
                 stream.put(output)
 
