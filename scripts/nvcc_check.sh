@@ -46,7 +46,7 @@ for cu in cuda_ext/csrc/cuda/*.cu; do
     /Used [0-9]+ registers/ { match($0, /Used [0-9]+ registers/); regs = substr($0, RSTART + 5, RLENGTH - 15);
                               printf "     %-6s regs %3d  spill st/ld %s/%s B  %s\n", arch, regs, stores, loads, kernel }
   ' "$work/$name.log" | "$DEMANGLE" \
-    | sed -E 's/void //; s/paged_serve::cuda::\(anonymous namespace\):://; s/\(([^()]|\([^()]*\))*\)$//'
+    | sed -E 's/void //; s/paged_serve::cuda::[a-z_]+:://; s/\(([^()]|\([^()]*\))*\)$//'
 done
 
 # The torch glue compiled with -DPAGED_SERVE_WITH_CUDA, syntax only. A CPU build of torch ships
