@@ -4,6 +4,7 @@ fail on purpose. Start a server on it with `--engine-factory tests.server.fake_e
 Tokens are bytes (vocab 256). Each generated token is the next lowercase letter after the
 previous token ('a' after 'z'). Prompt markers inject faults:
 - "FAIL_REQUEST": the step raises an error naming this request (only it must fail);
+- "ERROR_FIELD": the request's output carries `error` (the engine failed it alone);
 - "KILL_ENGINE": the engine loop breaks (the server must report dead);
 - "SLOW": every step takes 50 ms while this request runs (for drain / queue tests).
 """
@@ -147,8 +148,12 @@ class FakeEngine:
                                                           for k in range(1, req.params.logprobs + 1)}}
                            for t in toks]
                 outputs.append(CompletionOutput(i, text, list(toks), -0.5 * len(toks), lps, req.done[i], stop_reason))
+            if "ERROR_FIELD" in (req.prompt or ""):  # the engine's own per-request failure report
+                finished = True
             results.append(RequestOutput(req.request_id, req.prompt, req.prompt_ids, outputs[: req.params.n],
                                          finished))
+            if "ERROR_FIELD" in (req.prompt or ""):
+                results[-1].error = "ValueError: injected sampling failure"
             if finished:
                 del self.requests[req.request_id]
         self._stats()

@@ -215,6 +215,12 @@ def test_request_failure_is_isolated(fake_server):
     assert httpx.get(fake_server.url + "/health").status_code == 200
 
 
+def test_engine_reported_failure_is_a_500(fake_server):
+    err = assert_error(post(fake_server, "/v1/completions", {"prompt": "ERROR_FIELD", "max_tokens": 5}), 500)
+    assert "injected sampling failure" in err["message"]
+    assert post(fake_server, "/v1/completions", {"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
 def test_request_failure_while_streaming_is_an_error_event(fake_server):
     events = sse_events(post(fake_server, "/v1/completions",
                              {"prompt": "FAIL_REQUEST", "max_tokens": 5, "stream": True}).text)
