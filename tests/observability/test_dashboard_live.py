@@ -44,3 +44,38 @@ def test_grid_shows_blocks_while_requests_run_and_none_after(live_server, page, 
     assert page.locator("#device-grid .block").count() == num_blocks
     page.screenshot(path=str(screenshot_dir / "dashboard-live-after.png"), full_page=True)
     assert page.js_errors == []
+
+
+def test_parallel_sampling_shows_shared_blocks_with_their_ref_count(live_server, page,
+                                                                   screenshot_dir):
+    """n=3 forks one prompt into three sequences: the prompt's full blocks are shared by all
+    three (ref count 3) until the request ends."""
+    import httpx
+
+    from tests.observability.obs_support import run_in_threads
+
+    url, model = live_server.url, live_server.model()
+    prompt = ("Once upon a time in a small village at the edge of a great dark forest there "
+              "lived an old woodcutter and his")  # more than one 16-token block
+
+    def sample_three() -> dict:
+        response = httpx.post(f"{url}/v1/completions", timeout=300, json={
+            "model": model, "prompt": prompt, "max_tokens": 24, "n": 3, "temperature": 1.0,
+            "seed": 1})
+        response.raise_for_status()
+        return response.json()
+
+    page.goto(f"{url}/dashboard?interval=250")
+    page.wait_for_function("Number(document.body.dataset.updates || 0) >= 1", timeout=30_000)
+    threads, results = run_in_threads(sample_three, [()])
+    try:
+        page.wait_for_function(
+            "[...document.querySelectorAll('#device-grid .block.shared')]"
+            ".some(b => b.textContent === '3')", timeout=120_000)
+        page.screenshot(path=str(screenshot_dir / "dashboard-live-shared.png"), full_page=True)
+    finally:
+        threads[0].join(timeout=300)
+    assert not isinstance(results[0], Exception), results[0]
+    assert len(results[0]["choices"]) == 3
+    page.wait_for_function(f"{IN_USE} == 0", timeout=30_000)
+    assert page.js_errors == []
