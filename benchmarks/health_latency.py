@@ -9,6 +9,7 @@ Two measurements against one server:
 2. Throughput: for each concurrency in `--concurrency` (1 8 32 64), that many clients each
    send streaming completions back to back (ignore_eos, `--max-tokens` each) for `--duration`
    seconds; reports output tokens/s (completion tokens from the usage chunk / wall time).
+The health poller runs in its own process (a thread would share the load generator's GIL).
 
 `--start` launches `python -m server` on a free loopback port with the flags after `--`.
 Results print as a table and, with `--json FILE`, as JSON.
@@ -19,10 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -60,7 +61,9 @@ async def one_stream(client: httpx.AsyncClient, i: int, max_tokens: int) -> int:
     return tokens
 
 
-def poll_health(url: str, stop: threading.Event, interval: float, out: list[float]) -> None:
+def poll_health(url: str, stop, interval: float, conn) -> None:
+    """Runs in its own process, so the load generator's own work does not inflate the figures."""
+    out = []
     with httpx.Client(base_url=url, timeout=30) as client:
         while not stop.is_set():
             t0 = time.perf_counter()
@@ -68,12 +71,13 @@ def poll_health(url: str, stop: threading.Event, interval: float, out: list[floa
             out.append(time.perf_counter() - t0)
             assert resp.status_code == 200, resp.text
             time.sleep(interval)
+    conn.send(out)
 
 
 async def health_under_load(url: str, streams: int, max_tokens: int, interval: float) -> dict:
-    latencies: list[float] = []
-    stop = threading.Event()
-    poller = threading.Thread(target=poll_health, args=(url, stop, interval, latencies), daemon=True)
+    stop = multiprocessing.Event()
+    receiver, sender = multiprocessing.Pipe(duplex=False)
+    poller = multiprocessing.Process(target=poll_health, args=(url, stop, interval, sender), daemon=True)
     limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         poller.start()
@@ -81,6 +85,7 @@ async def health_under_load(url: str, streams: int, max_tokens: int, interval: f
         tokens = await asyncio.gather(*[one_stream(client, i, max_tokens) for i in range(streams)])
         wall = time.perf_counter() - t0
     stop.set()
+    latencies = receiver.recv()
     poller.join()
     return {"streams": streams, "samples": len(latencies), "p50_ms": 1000 * percentile(latencies, 50),
             "p99_ms": 1000 * percentile(latencies, 99), "max_ms": 1000 * max(latencies, default=float("nan")),
