@@ -5,9 +5,14 @@ running requests when blocks run out; (2) if nothing was preempted, swapped requ
 oldest first; (3) if nothing is still swapped out, waiting requests are admitted first come,
 first served, within the sequence and token budgets. Requests join and leave at every step.
 
-Preemption policy (decided in `_preempt`): the victim is the latest-arriving running request
-that has been preempted fewer than `max_preemptions_per_request` times (the newest overall if
-every one has), so the oldest request always makes progress and no request is starved. With
+Preemption policy (victim in `_pick_victim`, mode in `_preempt`): when a running request needs a
+block and none is free, the victim is the latest-arriving request among those not yet given a
+slot this step (the needy one included) that has been preempted fewer than
+`max_preemptions_per_request` times, or the latest of them all if every one has. Victims are
+never older than the request that needs the block, so the oldest unfinished request is never
+preempted (the pool always holds one max_model_len request): every request eventually becomes
+the oldest and finishes, which is the no-starvation guarantee; the per-request bound spreads
+preemptions over newer requests before one is preempted again. With
 `preemption_mode="swap"` its blocks move to the CPU swap pool; when that pool is full (or in
 "recompute" mode) its blocks are freed and it re-enters the waiting queue to be prefilled again
 from its prompt and the tokens it had generated.

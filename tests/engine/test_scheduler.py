@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
@@ -124,3 +126,44 @@ def test_abort_frees_blocks_in_any_queue():
     assert sched.abort("unknown") is None
     assert sched.block_manager.all_free()
     assert not sched.has_unfinished()
+
+
+def run_to_completion(sched: Scheduler) -> None:
+    steps = 0
+    while sched.has_unfinished():
+        fake_step(sched)
+        steps += 1
+        assert steps < 2000, "the workload never finished"
+
+
+def test_oldest_request_is_never_preempted_and_all_finish():
+    """No starvation by age: victims are always newer than the request that needs a block, so
+    the oldest unfinished request is never preempted and every request becomes the oldest."""
+    sched = make_scheduler(num_blocks=16, block_size=4, mode="recompute")
+    groups = [group(f"r{i}", 2, max_tokens=24, t=i) for i in range(8)]
+    for g in groups:
+        sched.add(g)
+    steps = 0
+    while sched.has_unfinished():
+        oldest = min((g for g in groups if not g.is_finished), key=lambda g: g.arrival_time)
+        out, _ = fake_step(sched)
+        assert oldest.request_id not in out.preempted
+        steps += 1
+        assert steps < 2000
+    assert sum(g.num_preemptions for g in groups) > 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_bound_moves_preemptions_to_others(mode):
+    """With the bound, a request that had its share is skipped while another candidate exists."""
+    counts = {}
+    for limit in (100, 2):
+        sched = make_scheduler(num_blocks=16, block_size=4, mode=mode, max_preemptions=limit)
+        groups = [group(f"r{i}", 2, max_tokens=24, t=i) for i in range(8)]
+        for g in groups:
+            sched.add(g)
+        run_to_completion(sched)
+        counts[limit] = [g.num_preemptions for g in groups]
+        assert sched.block_manager.all_free()
+    assert max(counts[100]) > 2  # newest-first alone preempts one request three times
+    assert max(counts[2]) <= 2
