@@ -109,6 +109,9 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
   constexpr int VEC = 16 / sizeof(T);          // elements per 16-byte load
   constexpr int LANES = HEAD_SIZE / VEC;       // threads sharing one K/V row
   constexpr int ROWS = kNumThreads / LANES;    // K/V rows in flight per step
+  // K/V rows each thread loads before computing on them; fewer for 8 heads, whose q and
+  // accumulators take most of the registers (keeps ptxas from spilling).
+  constexpr int UNROLL = GROUP >= 8 ? 2 : kUnroll;
   static_assert(LANES <= kWarpSize && (LANES & (LANES - 1)) == 0, "row must fit a warp");
 
   __shared__ float logits[GROUP][kPartitionSize];
@@ -161,15 +164,15 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
   float max_logit[GROUP];
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) max_logit[g] = -FLT_MAX;
-  for (int base = 0; base < n; base += ROWS * kUnroll) {
-    uint4 raw[kUnroll];
+  for (int base = 0; base < n; base += ROWS * UNROLL) {
+    uint4 raw[UNROLL];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int t = base + u * ROWS + row;
       raw[u] = t < n ? *reinterpret_cast<const uint4*>(key_cache + row_offset(t)) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int t = base + u * ROWS + row;
       float k[VEC];
       unpack<T>(raw[u], k);
@@ -206,15 +209,15 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
 
   // Pass 2: acc[g] = sum_t p[g][t] * v_t, each row of threads over its own tokens.
   float acc[GROUP][VEC] = {};
-  for (int base = 0; base < n; base += ROWS * kUnroll) {
-    uint4 raw[kUnroll];
+  for (int base = 0; base < n; base += ROWS * UNROLL) {
+    uint4 raw[UNROLL];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int t = base + u * ROWS + row;
       raw[u] = t < n ? *reinterpret_cast<const uint4*>(value_cache + row_offset(t)) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int t = base + u * ROWS + row;
       if (t >= n) continue;
       float v[VEC];
