@@ -1,0 +1,260 @@
+"""Beam search inside the engine: beams are sequences of one request that fork and drop block
+tables through copy-on-write, so a beam that continues two ways shares every block but its last.
+
+The choice of beams follows HF transformers 5.x `generate(num_beams=k, do_sample=False)`:
+
+- Each step scores every running beam's next tokens by cumulative log-probability (the
+  log_softmax of the logits after logit bias, masks and penalties, added in float32 to the
+  beam's score) and keeps the best `2k` candidates over all beams, best first (`max(2, 1 + the
+  number of stop tokens) * k` when stop_token_ids add more ways to end).
+- A candidate that ends its beam (EOS or a stop token id, or the `max_tokens`-th token) becomes
+  a finished hypothesis if it is among the best `k` candidates, scored
+  `sum_logprobs / generated_len ** length_penalty` (generated_len counts the EOS). Only the
+  `k` best hypotheses are kept.
+- The best `k` candidates that do not end become the next beams.
+- The search is done when the `max_tokens`-th token was drawn (every candidate ends); or, once
+  `k` hypotheses exist, with `early_stopping=True` at once, and otherwise when no running beam
+  can beat the worst hypothesis: the best running score divided by `L ** length_penalty` is
+  no better than it, where L is the beams' current length, or `max_tokens` when
+  `early_stopping="never"` and `length_penalty > 0`.
+- The first step (the prompt) has one sequence, so all candidates come from it (HF starts with
+  k equal beams whose copies are scored -1e9).
+
+Stop strings are not applied: beams are compared token by token, as in HF. Per-token logprobs,
+when asked for, are the raw model's (as for sampling), not the beam scores.
+
+Outputs: while the search runs, a request returns no choices (its beams change under it, so
+streaming text deltas would make no sense, like best_of); when it is done, the n best
+hypotheses by score, index 0 the best.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import CompletionOutput, Logprob, SampleLogprobs
+from engine.sampler import score_tokens
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Hypothesis:
+    """A finished beam: its tokens are all the request will keep of it (its blocks are freed)."""
+
+    token_ids: list[int]
+    cumulative_logprob: float  # the beam score: sum of the beam log-probabilities
+    score: float  # cumulative_logprob / len(token_ids) ** length_penalty
+    finish_reason: str  # "stop" (EOS or a stop token id) or "length"
+    stop_reason: int | None  # the stop token id that ended it, None for EOS or length
+    logprobs: SampleLogprobs | None
+    text: str | None = None  # decoded once, when first reported
+
+
+@dataclass
+class BeamState:
+    """What a beam-search request keeps between steps, stored on its SequenceGroup."""
+
+    width: int  # k: params.best_of
+    hypotheses: list[Hypothesis] = field(default_factory=list)  # best first, at most k
+    done: bool = False
+
+
+def _state(group: SequenceGroup) -> BeamState:
+    state = getattr(group, "beam_state", None)
+    if state is None:
+        state = group.beam_state = BeamState(width=group.params.best_of)
+    return state
+
+
+@dataclass
+class _Candidate:
+    parent: Sequence
+    row: int  # the parent's row in the step's logits
+    token_id: int
+    score: float  # the parent's beam score plus this token's log-probability (float32)
+
+
+def beam_search_step(engine, group: SequenceGroup, seq_rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> int:
+    """One beam-search step for one request: choose the next beams and hypotheses from this
+    step's logits and apply the choice to `group.seqs` and the block manager.
+
+    `seq_rows` are the request's running beams with their row in `logits` ([scheduled, vocab]
+    float32). Mutates: beams' tokens and scores; forks children (sharing blocks copy-on-write)
+    and appends them to `group.seqs`; frees and removes beams that were not chosen; when the
+    search is done, marks the remaining beams finished (the scheduler frees their blocks).
+    Returns the number of tokens appended to beams or hypotheses this step.
+    """
+    state = _state(group)
+    p = group.params
+    k = state.width
+    unscheduled = [s for s in group.unfinished_seqs if all(s is not seq for seq, _ in seq_rows)]
+    if unscheduled:
+        raise RuntimeError(f"beams {unscheduled} of request {group.request_id} were not scheduled with the others")
+
+    seqs = [seq for seq, _ in seq_rows]
+    rows = torch.tensor([row for _, row in seq_rows], dtype=torch.long, device=logits.device)
+    raw = logits.index_select(0, rows)
+    adjusted = engine.sampler.adjusted_logits(raw, [engine._row(seq, group) for seq in seqs])
+    beam_scores = torch.tensor([seq.cumulative_logprob for seq in seqs], dtype=torch.float32, device=logits.device)
+    scores = torch.log_softmax(adjusted, dim=-1) + beam_scores[:, None]
+
+    stop_ids = set(p.stop_token_ids)
+    if engine.eos_token_id is not None and not p.ignore_eos:
+        stop_ids.add(engine.eos_token_id)
+    vocab = scores.shape[1]
+    num_keep = min(max(2, 1 + len(stop_ids)) * k, scores.numel())
+    values, flat = torch.topk(scores.view(-1), num_keep)
+    candidates = [
+        _Candidate(seqs[i // vocab], i // vocab, i % vocab, v) for i, v in zip(flat.tolist(), values.tolist())
+    ]
+
+    next_beams: list[_Candidate] = []
+    num_new = 0
+    for rank, c in enumerate(candidates):
+        n_out = len(c.parent.output_token_ids) + 1
+        is_stop = c.token_id in stop_ids
+        if is_stop or n_out >= group.max_tokens:
+            # NOTE: HF only lets the best k candidates finish; the rest are a reserve of beams.
+            if rank < k:
+                _add_hypothesis(engine, state, group, c, raw, is_stop)
+                num_new += 1
+        elif len(next_beams) < k:
+            next_beams.append(c)
+
+    state.done = not next_beams or _search_done(state, group, next_beams)
+    if state.done:
+        best = state.hypotheses[0]
+        status = SequenceStatus.FINISHED_STOPPED if best.finish_reason == "stop" else SequenceStatus.FINISHED_LENGTH
+        for seq in seqs:
+            seq.status = status
+        return num_new
+    _apply(engine, group, seqs, next_beams, raw)
+    return num_new + len(next_beams)
+
+
+def _search_done(state: BeamState, group: SequenceGroup, next_beams: list[_Candidate]) -> bool:
+    """HF's stopping rule once k hypotheses exist: early_stopping=True stops at once; otherwise
+    stop when the best running beam cannot beat the worst hypothesis (HF's heuristic)."""
+    p = group.params
+    if len(state.hypotheses) < state.width:
+        return False
+    if p.early_stopping is True:
+        return True
+    if p.early_stopping == "never" and p.length_penalty > 0.0:
+        best_len = group.max_tokens
+    else:
+        best_len = len(next_beams[0].parent.output_token_ids) + 1
+    best_possible = _normalized(next_beams[0].score, best_len, p.length_penalty)
+    return best_possible <= state.hypotheses[-1].score
+
+
+def _normalized(score: float, length: int, length_penalty: float) -> float:
+    """score / length ** length_penalty, computed in float32 as HF's score tensors are, so
+    that comparisons agree with it to the last bit."""
+    return (torch.tensor(score, dtype=torch.float32) / (length**length_penalty)).item()
+
+
+def _add_hypothesis(
+    engine, state: BeamState, group: SequenceGroup, c: _Candidate, raw: torch.Tensor, is_stop: bool
+) -> None:
+    p = group.params
+    token_ids = c.parent.output_token_ids + [c.token_id]
+    logprobs = None
+    if p.logprobs is not None:
+        logprobs = list(c.parent.output_logprobs) + [_logprob_entry(engine, raw[c.row], c.token_id, p.logprobs)]
+    hyp = Hypothesis(
+        token_ids=token_ids,
+        cumulative_logprob=c.score,
+        score=_normalized(c.score, len(token_ids), p.length_penalty),
+        finish_reason="stop" if is_stop else "length",
+        stop_reason=c.token_id if is_stop and c.token_id != engine.eos_token_id else None,
+        logprobs=logprobs,
+    )
+    hyps = state.hypotheses
+    hyps.append(hyp)
+    # NOTE: a stable sort keeps the earlier of two equal scores first, as HF's merge does.
+    hyps.sort(key=lambda h: h.score, reverse=True)
+    del hyps[state.width :]
+
+
+def _apply(engine, group: SequenceGroup, seqs: list[Sequence], next_beams: list[_Candidate], raw: torch.Tensor) -> None:
+    """Turn the chosen candidates into the request's beams: a parent's first child continues
+    the parent's own Sequence; further children fork it (sharing its blocks); parents with no
+    child are freed and leave the request."""
+    p = group.params
+    taken: set[int] = set()
+    growing: list[tuple[Sequence, _Candidate]] = []
+    # Fork first: a child copies its parent before the parent's own next token is appended.
+    for c in next_beams:
+        if c.parent.seq_id not in taken:
+            taken.add(c.parent.seq_id)
+            growing.append((c.parent, c))
+            continue
+        child = c.parent.fork(c.parent.index, None)
+        engine.block_manager.fork(c.parent, child)
+        group.seqs.append(child)
+        growing.append((child, c))
+    for seq, c in growing:
+        seq.output_token_ids.append(c.token_id)
+        seq.cumulative_logprob = c.score
+        if p.logprobs is not None:
+            seq.output_logprobs.append(_logprob_entry(engine, raw[c.row], c.token_id, p.logprobs))
+    for seq in seqs:
+        if seq.seq_id not in taken:
+            engine.block_manager.free(seq)
+            group.seqs.remove(seq)
+    for i, (seq, _) in enumerate(growing):
+        seq.index = i
+
+
+def _logprob_entry(engine, raw_row: torch.Tensor, token_id: int, num_top: int) -> dict[int, Logprob]:
+    """The same per-token entry as sampling gives: the raw model's logprob and rank of the
+    token, then its `num_top` best alternatives."""
+    r = score_tokens(raw_row[None, :], [token_id], num_top)[0]
+    entry = {token_id: Logprob(r.logprob, r.rank, engine._decode(token_id))}
+    for rank, (tid, lp) in enumerate(r.top_logprobs or [], start=1):
+        entry.setdefault(tid, Logprob(lp, rank, engine._decode(tid)))
+    return entry
+
+
+def beam_search_outputs(engine, group: SequenceGroup) -> list[CompletionOutput]:
+    """No choices while the search runs (or when it failed or was aborted); once done, the n
+    best hypotheses by score, index 0 the best."""
+    state = getattr(group, "beam_state", None)
+    if state is None or not state.done:
+        return []
+    p = group.params
+    outs = []
+    for i, hyp in enumerate(state.hypotheses[: p.n]):
+        if hyp.text is None:
+            hyp.text = _decode(engine, group, hyp.token_ids)
+        outs.append(
+            CompletionOutput(
+                index=i,
+                text=hyp.text,
+                token_ids=list(hyp.token_ids),
+                cumulative_logprob=hyp.cumulative_logprob,
+                logprobs=list(hyp.logprobs) if hyp.logprobs is not None else None,
+                finish_reason=hyp.finish_reason,
+                stop_reason=hyp.stop_reason,
+            )
+        )
+    return outs
+
+
+def _decode(engine, group: SequenceGroup, token_ids: list[int]) -> str:
+    """The hypothesis's text exactly as a streamed sequence would have it."""
+    if engine.tokenizer is None:
+        return ""
+    p = group.params
+    detok = IncrementalDetokenizer(
+        engine.tokenizer,
+        group.prompt_token_ids,
+        skip_special_tokens=p.skip_special_tokens,
+        spaces_between_special_tokens=p.spaces_between_special_tokens,
+    )
+    text = "".join(detok.step(t) for t in token_ids)
+    return text + detok.flush()
