@@ -1,19 +1,32 @@
-"""Turns a `SchedulerOutput` into batch tensors, runs the model, returns the logits.
+"""Turns a `StepInput` into batch tensors, runs the model, returns the logits.
 
-It carries out the step's block moves (swap out, swap in, copy-on-write) before the forward
-pass and never decides anything itself: block ids come in the scheduler's output.
+`StepInput` is the lean, picklable description of one step that the driver builds from the
+scheduler's output and, with tensor parallelism, sends to every worker: token ids, positions
+and block tables, never `Sequence` objects. The runner carries out the step's block moves (swap
+out, swap in, copy-on-write) before the forward pass and never decides anything itself.
+With tensor parallelism each rank runs this same code on its shard of the weights and of the
+KV heads; the layers communicate (engine/models/layers.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 
+from engine import parallel
 from engine.attention import AttentionMetadata, PrefillSpan
-from engine.cache_engine import CacheEngine
-from engine.config import ModelConfig
+from engine.cache_engine import CacheEngine, num_blocks_from_budget
+from engine.config import CacheConfig, ModelConfig
+from engine.models.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from engine.models.llama import model_class
 from engine.models.loader import load_weights
 from engine.scheduler import SchedulerOutput
@@ -21,47 +34,93 @@ from engine.scheduler import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class SeqInput:
+    """One scheduled sequence, as the model sees it."""
+
+    token_ids: list[int]  # tokens whose K/V this step computes (the uncomputed tail; one when decoding)
+    start: int  # position of token_ids[0]: tokens of this sequence already in the cache
+    block_table: list[int]  # physical block ids covering positions [0, start + len(token_ids))
+    is_prefill: bool  # True when this step computes more than the last token
+
+
+@dataclass
+class StepInput:
+    """Everything a rank needs to run one step; plain lists and ints, cheap to pickle."""
+
+    seqs: list[SeqInput] = field(default_factory=list)  # prefills first, then decodes
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+
+    @classmethod
+    def from_scheduler_output(cls, out: SchedulerOutput) -> "StepInput":
+        """Read before the engine advances `num_computed_tokens` for this step."""
+        seqs = []
+        for s in out.scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            ids = seq.token_ids[start:] if s.is_prefill else [seq.last_token_id]
+            seqs.append(SeqInput(ids, start, list(s.block_table), s.is_prefill))
+        return cls(seqs, list(out.blocks_to_swap_in), list(out.blocks_to_swap_out), list(out.blocks_to_copy))
+
+
 class ModelRunner:
+    """This rank's model shard and KV pool. Build it after torch.distributed is initialised
+    (tensor parallelism) so that the layers take their shard."""
+
     def __init__(self, model_config: ModelConfig, device: torch.device, block_size: int):
         self.config = model_config
         self.device = device
         self.block_size = block_size
+        self.tp_size = parallel.world_size()
         t0 = time.perf_counter()
         torch.manual_seed(model_config.seed)
         with torch.device(device):
             self.model = model_class(model_config.hf_config)(model_config.hf_config, model_config.max_model_len)
         self.model.to(dtype=model_config.dtype)
         self.model.eval()
-        load_weights(self.model, model_config.path, model_config.load_format, model_config.seed)
+        if model_config.load_format == "dummy":
+            load_dummy_weights(self.model, model_config.seed)
+        else:
+            load_weights(self.model, model_config.path, model_config.load_format, model_config.seed)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info(
-            "model ready: %s, %.1f M parameters, %s on %s, in %.1f s",
+            "model ready: %s, %.1f M parameters%s, %s on %s, in %.1f s",
             model_config.served_model_name,
             self.weights_bytes / torch.tensor([], dtype=model_config.dtype).element_size() / 1e6,
+            f" (rank {parallel.rank()} of {self.tp_size})" if self.tp_size > 1 else "",
             str(model_config.dtype).removeprefix("torch."),
             device,
             time.perf_counter() - t0,
         )
         self.cache: CacheEngine | None = None
 
-    def attach_cache(self, cache: CacheEngine) -> None:
-        self.cache = cache
+    def num_blocks(self, cache_config: CacheConfig) -> tuple[int, int]:
+        """(device blocks, CPU swap blocks) that this rank's memory budget allows for its KV heads."""
+        return num_blocks_from_budget(self.config, cache_config, self.device, self.weights_bytes, self.tp_size)
+
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:
+        """Allocate this rank's KV pools (once, at start-up)."""
+        self.cache = CacheEngine(
+            self.config, self.block_size, num_gpu_blocks, num_cpu_blocks, self.device, self.tp_size
+        )
+        return self.cache
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> torch.Tensor:
-        """Runs the step; returns float32 logits [len(step.scheduled), vocab], one row per
-        scheduled sequence (its last token's)."""
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Runs the step; returns float32 logits [len(step.seqs), vocab], one row per
+        scheduled sequence (its last token's). Mutates the KV pools only."""
         cache = self.cache
         cache.swap_out(step.blocks_to_swap_out)
         cache.swap_in(step.blocks_to_swap_in)
         cache.copy(step.blocks_to_copy)
-        if not step.scheduled:
+        if not step.seqs:
             return torch.empty(0, self.config.hf_config.vocab_size)
         input_ids, positions, meta, last_rows = self._prepare(step)
         hidden = self.model(input_ids, positions, meta, cache.kv_caches)
         return self.model.compute_logits(hidden[last_rows]).float()
 
-    def _prepare(self, step: SchedulerOutput):
+    def _prepare(self, step: StepInput):
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -70,11 +129,11 @@ class ModelRunner:
         last_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        for s in step.scheduled:
-            seq, table = s.seq, s.block_table
-            start, end = seq.num_computed_tokens, len(seq)
+        for s in step.seqs:
+            table, start = s.block_table, s.start
+            end = start + len(s.token_ids)
             row0 = len(ids)
-            ids.extend(seq.token_ids[start:end] if s.is_prefill else [seq.last_token_id])
+            ids.extend(s.token_ids)
             positions = range(start, end)
             pos.extend(positions)
             slots.extend(table[p // bs] * bs + p % bs for p in positions)
@@ -105,3 +164,48 @@ class ModelRunner:
             meta,
             torch.tensor(last_rows, dtype=torch.int64, device=dev),
         )
+
+
+@torch.no_grad()
+def load_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights that do not depend on the tensor-parallel size: every parameter's full
+    (unsharded) tensor is drawn in the same order and from the same generator as at world size
+    1, then its `weight_loader` cuts this rank's shard out of it. At world size 1 this gives
+    exactly the weights of `loader.load_weights(..., "dummy")`."""
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)
+    owner = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
+    for p in model.parameters():
+        module = owner[id(p)]
+        full = torch.empty(_full_shape(module, p), dtype=torch.float32)
+        full.uniform_(-0.05, 0.05, generator=gen)
+        for shard_id, part in _checkpoint_parts(module, full):
+            loader = getattr(p, "weight_loader", None)
+            if loader is not None:
+                loader(p, part.to(p.dtype), shard_id)
+            else:
+                p.copy_(part)
+    logger.info("initialised dummy weights in %.1f s", time.perf_counter() - t0)
+
+
+def _full_shape(module: torch.nn.Module, p: torch.nn.Parameter) -> tuple[int, ...]:
+    """The shape `p` has at world size 1."""
+    tp = getattr(module, "tp_size", 1)
+    if isinstance(module, VocabParallelEmbedding):
+        return (module.vocab_size, p.shape[1])
+    if isinstance(module, ColumnParallelLinear):
+        return (p.shape[0] * tp,) + tuple(p.shape[1:])
+    if isinstance(module, RowParallelLinear) and p is module.weight:
+        return (p.shape[0], p.shape[1] * tp)
+    return tuple(p.shape)
+
+
+def _checkpoint_parts(module: torch.nn.Module, full: torch.Tensor):
+    """(shard id, tensor) pairs as a checkpoint would hand them to the weight loader."""
+    if isinstance(module, QKVParallelLinear):
+        q = module.num_heads * module.tp_size * module.head_size
+        kv = module.num_kv_heads * module.tp_size * module.head_size
+        return list(zip("qkv", full.split([q, kv, kv])))
+    if isinstance(module, MergedColumnParallelLinear):
+        return list(enumerate(full.split(module.out_sizes)))
+    return [(None, full)]
