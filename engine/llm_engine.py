@@ -12,10 +12,10 @@ import time
 import torch
 
 from engine.block_manager import BlockManager
-from engine.cache_engine import CacheEngine, num_blocks_from_budget
 from engine.config import EngineArgs, EngineConfig
 from engine.metrics import EngineStats
-from engine.model_runner import ModelRunner
+from engine.executor import create_executor
+from engine.model_runner import StepInput
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampler import Sampler, SampleResult, SamplingRow
 from engine.sampling_params import SamplingParams
@@ -34,16 +34,15 @@ class LLMEngine:
         mc, cc = config.model, config.cache
         self.tokenizer = load_tokenizer(mc.path, chat_template) if mc.load_format != "dummy" else None
         self.chat_template = chat_template
-        self.runner = ModelRunner(mc, config.device, cc.block_size)
-        num_gpu, num_cpu = num_blocks_from_budget(mc, cc, config.device, self.runner.weights_bytes)
+        self.executor = create_executor(config)  # the model, on this process or on N (tensor parallel)
+        num_gpu, num_cpu = self.executor.num_blocks()
         max_len_blocks = -(-mc.max_model_len // cc.block_size)
         if num_gpu < max_len_blocks:
             raise ValueError(
                 f"the KV cache holds {num_gpu * cc.block_size} tokens ({num_gpu} blocks), fewer than "
                 f"max_model_len={mc.max_model_len}: raise the KV cache memory or lower max_model_len"
             )
-        self.cache = CacheEngine(mc, cc.block_size, num_gpu, num_cpu, config.device)
-        self.runner.attach_cache(self.cache)
+        self.cache = self.executor.init_cache(num_gpu, num_cpu)
         self.block_manager = BlockManager(
             num_gpu,
             num_cpu,
@@ -155,7 +154,7 @@ class LLMEngine:
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        logits = self.runner.execute(sched)
+        logits = self.executor.execute(StepInput.from_scheduler_output(sched))
         now = time.monotonic()
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
