@@ -84,12 +84,14 @@ class RequestStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.started = False  # something has been put (an output or an error)
         self.finished = False  # no more items will be put (finished output, error or abort)
         self._done = False  # the consumer has seen the end
 
     def put(self, item: RequestOutput | BaseException) -> None:
         if self.finished:
             return
+        self.started = True
         if isinstance(item, BaseException) or item.finished:
             self.finished = True
         self._queue.put_nowait(item)
@@ -239,7 +241,8 @@ class AsyncEngine:
             raise
         finally:
             self._pending_adds -= 1
-        if not stream.finished:
+        # NOTE: the first output may have been dispatched before this coroutine resumed.
+        if not stream.started and not stream.finished:
             self._unstarted.add(request_id)
         return stream
 

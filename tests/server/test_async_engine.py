@@ -114,3 +114,16 @@ def test_queue_bound():
             engine.check_accepting(3)
 
     run_with_engine(body, max_queued_requests=2)
+
+
+def test_queued_count_returns_to_zero():
+    async def body(engine):
+        await engine.wait_ready()
+        streams = [await engine.add_request(f"r{i}", "a", SamplingParams(max_tokens=3)) for i in range(5)]
+        for stream in streams:
+            async for _ in stream:
+                pass
+            engine.release(stream.request_id)
+        return engine.num_queued, engine.num_in_flight
+
+    assert run_with_engine(body) == (0, 0)
