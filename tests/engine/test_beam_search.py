@@ -136,3 +136,18 @@ def test_beam_search_survives_preemption(make_llm, prompts):
     assert small.engine.last_stats.num_preemptions_total["recompute"] >= 1
     for a, b in zip(alone, both):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+
+
+def test_beam_logprobs_are_per_token_and_sum_to_the_score(make_llm, prompts):
+    """Per-token logprobs (the raw model's, with their top alternatives) add up to a beam's
+    cumulative logprob when nothing adjusts the logits (ignore_eos only stops EOS ending a beam)."""
+    llm = make_llm(block_size=16)
+    params = beam_params(2, 2, 1.0, False, max_tokens=6)
+    params.logprobs, params.ignore_eos = 2, True
+    out = llm.generate([prompts[0]], params)[0]
+    for o in out.outputs:
+        assert len(o.token_ids) == 6 and o.finish_reason == "length"
+        assert len(o.logprobs) == 6
+        assert all(t in entry and len(entry) >= 2 for t, entry in zip(o.token_ids, o.logprobs))
+        total = sum(entry[t].logprob for t, entry in zip(o.token_ids, o.logprobs))
+        assert total == pytest.approx(o.cumulative_logprob, abs=1e-3)
