@@ -15,10 +15,12 @@
 #   PAGED_SERVE_API_KEY  read by the server itself
 #
 # Torch for the CPU image: by default the CPU wheel from PyTorch's CPU index. Where only PyPI is
-# reachable, PyPI's torch for Linux is the CUDA build (plus ~3 GB of nvidia-* wheels), which also
-# runs on CPU. To use a CPU wheel you already have instead, mount its folder into the build and
-# point pip at it (podman build supports volumes for RUN steps):
-#   podman build -v /opt/wheels:/wheels:ro --build-arg TORCH_FIND_LINKS=/wheels \
+# reachable, pip retries that index, then falls back to PyPI, whose torch for Linux is the CUDA
+# build (torch 2.13.0+cu130 plus ~3 GB of nvidia-* wheels): it runs on CPU too, but the image
+# grows from ~3 GB to ~7 GB (pass --build-arg TORCH_INDEX_URL=https://pypi.org/simple to skip
+# the retries). To use a CPU wheel you already have instead, mount its folder into the build
+# and point pip at it (podman build supports volumes for RUN steps):
+#   podman build --format docker -v /opt/wheels:/wheels:ro --build-arg TORCH_FIND_LINKS=/wheels \
 #       --build-arg TORCH_INDEX_URL=https://pypi.org/simple -t localhost/paged-serve:cpu .
 # pip takes the local "2.13.0+cpu" wheel over PyPI's "2.13.0" (a local version sorts higher).
 
