@@ -137,7 +137,9 @@ class AsyncEngine:
         self.last_stats: EngineStats | None = None
         self.load_seconds: float | None = None
 
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # (command, future for its result or None); run in order on the engine thread.
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future | None]] = (
+            queue.SimpleQueue())
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -172,6 +174,7 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        self._fail_pending_commands()
         for stream in list(self._streams.values()):
             stream.put(RequestCancelledError("The server is shutting down."))
         self._streams.clear()
@@ -215,22 +218,15 @@ class AsyncEngine:
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         self._pending_adds += 1
-        future: concurrent.futures.Future[None] = concurrent.futures.Future()
         arrival = time.monotonic()
 
         def add() -> None:
-            try:
-                resolved = prompt(self.engine) if callable(prompt) else prompt
-                self.engine.add_request(request_id, resolved, params, arrival_time=arrival)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                future.set_exception(exc)
-                return
+            resolved = prompt(self.engine) if callable(prompt) else prompt
+            self.engine.add_request(request_id, resolved, params, arrival_time=arrival)
             self._live.add(request_id)
-            future.set_result(None)
 
-        self._submit(add)
         try:
-            await asyncio.wrap_future(future)
+            await asyncio.wrap_future(self._submit(add, want_result=True))
         except asyncio.CancelledError:
             # NOTE: the add may still run after we stop waiting; commands run in order, so this
             # abort lands after it and nothing leaks.
@@ -287,24 +283,31 @@ class AsyncEngine:
         """Run `fn(engine)` on the engine thread between two steps and return its result."""
         if self.state is not EngineState.READY:
             self.check_accepting(0)
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn(self.engine))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                future.set_exception(exc)
-
-        self._submit(run)
-        return await asyncio.wrap_future(future)
+        return await asyncio.wrap_future(self._submit(lambda: fn(self.engine), want_result=True))
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._unstarted.discard(request_id)
 
-    def _submit(self, command: Callable[[], None]) -> None:
-        self._commands.put(command)
+    def _submit(self, command: Callable[[], Any], want_result: bool = False) -> concurrent.futures.Future | None:
+        """Queue `command` for the engine thread; with `want_result`, a future for its result."""
+        future = concurrent.futures.Future() if want_result else None
+        self._commands.put((command, future))
         self._wakeup.set()
+        if self.state is EngineState.DEAD:  # NOTE: the loop may have died before taking it
+            self._fail_pending_commands()
+        return future
+
+    def _fail_pending_commands(self) -> None:
+        """After the loop died: answer every queued command's future with EngineDeadError,
+        so that no caller waits forever (callable from any thread)."""
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None and not future.done():
+                future.set_exception(EngineDeadError(self.dead_reason or "The engine is not running."))
 
     # --------------------------------------------------------------------- dispatch (event loop)
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -372,8 +375,9 @@ class AsyncEngine:
             self._die(f"The engine loop died: {exc!r}")
 
     def _die(self, reason: str) -> None:
-        self.state = EngineState.DEAD
         self.dead_reason = reason
+        self.state = EngineState.DEAD
+        self._fail_pending_commands()
         self._to_loop(self._fail, None, EngineDeadError(reason))
 
     def _loop_forever(self) -> None:
@@ -402,10 +406,16 @@ class AsyncEngine:
     def _run_commands(self) -> None:
         while True:
             try:
-                command = self._commands.get_nowait()
+                command, future = self._commands.get_nowait()
             except queue.Empty:
                 return
-            command()
+            if future is None:
+                command()  # NOTE: an exception here (an abort failing) kills the loop: as it should
+                continue
+            try:
+                future.set_result(command())
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
 
     def _engine_abort(self, request_id: str) -> None:
         if request_id in self._live:
