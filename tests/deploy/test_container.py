@@ -135,11 +135,7 @@ def test_compose_brings_the_daemon_up_healthy(image):
     port = free_port()
     env = {**os.environ, "PAGED_SERVE_HOST_PORT": str(port),
            "PAGED_SERVE_ARGS": "--kv-cache-memory 256MiB --max-model-len 2048 --metrics-public"}
-    compose = ["podman-compose", "-p", project, "-f", str(ROOT / "docker-compose.yml")]
-
-    def compose_run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run([*compose, *args], capture_output=True, text=True, timeout=timeout,
-                              env=env, cwd=ROOT)
+    compose_run = compose_command(project, "docker-compose.yml", env)
 
     try:
         up = compose_run("up", "-d", "--no-build", "paged-serve")
@@ -159,5 +155,85 @@ def test_compose_brings_the_daemon_up_healthy(image):
             time.sleep(3)
         assert status == "healthy"
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+    finally:
+        compose_run("down", "-t", "1", timeout=300)
+
+
+def compose_command(project: str, file: str, env: dict):
+    compose = ["podman-compose", "-p", project, "-f", str(ROOT / file)]
+
+    def compose_run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        result = subprocess.run([*compose, *args], capture_output=True, text=True,
+                                timeout=timeout, env=env, cwd=ROOT)
+        return result
+
+    return compose_run
+
+
+def wait_healthy(name: str) -> None:
+    """Run the container's health check until it passes (no systemd timers run it here)."""
+    deadline = time.monotonic() + HEALTH_TIMEOUT
+    while time.monotonic() < deadline:
+        if run("podman", "healthcheck", "run", name, timeout=60, check=False).returncode == 0:
+            return
+        time.sleep(3)
+    pytest.fail(f"{name} never became healthy")
+
+
+def replica_requests(name: str) -> float:
+    """Finished requests counted by one replica, read from inside its container."""
+    script = ("import urllib.request; t = urllib.request.urlopen('http://127.0.0.1:8000/metrics')"
+              ".read().decode(); print(sum(float(l.split()[-1]) for l in t.splitlines()"
+              " if l.startswith('paged_serve:request_success_total')))")
+    return float(run("podman", "exec", name, "python", "-c", script, timeout=60).stdout)
+
+
+def test_replicas_answer_through_the_balancer(image):
+    """docker-compose.replicas.yml: two daemons behind nginx; requests reach both."""
+    if shutil.which("podman-compose") is None:
+        pytest.skip("no podman-compose (../shared/container/prepare.sh installs it)")
+    project = f"paged-serve-test-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    env = {**os.environ, "PAGED_SERVE_HOST_PORT": str(port),
+           "PAGED_SERVE_ARGS": "--kv-cache-memory 256MiB --max-model-len 2048 --metrics-public"}
+    compose_run = compose_command(project, "docker-compose.replicas.yml", env)
+    try:
+        # Replicas first; the balancer once they are healthy (what depends_on waits for).
+        up = compose_run("up", "-d", "--no-build", "paged-serve-1", "paged-serve-2")
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        names = {}
+        for service in ("paged-serve-1", "paged-serve-2"):
+            names[service] = run(
+                "podman", "ps", "-q", "--filter", f"label=io.podman.compose.project={project}",
+                "--filter", f"label=io.podman.compose.service={service}", timeout=60).stdout.split()[0]
+            wait_healthy(names[service])
+        build = compose_run("build", "balancer", timeout=900)
+        assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+        up = compose_run("up", "-d", "--no-deps", "balancer")
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "balancer never answered"
+            time.sleep(1)
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        for i in range(6):
+            response = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "model": model, "prompt": f"Request number {i} says", "max_tokens": 4})
+            assert response.status_code == 200, response.text
+        # Streaming passes through the balancer chunk by chunk.
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                "model": model, "prompt": "Streaming through nginx", "max_tokens": 6,
+                "stream": True}) as response:
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 3
+        counts = [replica_requests(name) for name in names.values()]
+        assert sum(counts) == 7 and min(counts) >= 1, counts
     finally:
         compose_run("down", "-t", "1", timeout=300)

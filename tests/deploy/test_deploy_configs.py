@@ -242,3 +242,20 @@ def test_compose_flags_are_flags_the_daemon_knows(compose):
     assert args.port == DAEMON_PORT
     # An API key must not lock Prometheus out of /metrics.
     assert args.metrics_public
+
+
+# --- docker-compose.replicas.yml -----------------------------------------------------------
+
+def test_replicas_sit_behind_the_balancer():
+    replicas = load_yaml("docker-compose.replicas.yml")["services"]
+    daemons = [name for name in replicas if name.startswith(DAEMON)]
+    assert len(daemons) >= 2
+    balancer = replicas["balancer"]
+    nginx = balancer["build"]["dockerfile_inline"]
+    for name in daemons:
+        assert f"server {name}:{DAEMON_PORT}" in nginx
+        assert balancer["depends_on"][name]["condition"] == "service_healthy"
+        assert f"127.0.0.1:{DAEMON_PORT}/health" in " ".join(replicas[name]["healthcheck"]["test"])
+    assert "proxy_buffering off" in nginx  # SSE passes through unbuffered
+    assert DAEMON_PORT in container_ports(balancer)
+    assert all(str(p).startswith("127.0.0.1:") for p in balancer["ports"])
