@@ -57,6 +57,7 @@ class StandIn:
 
     def __init__(self, api_key: str | None = None):
         self.state = IDLE
+        self.status_code = 200  # anything else: answer with an error body instead
         self.polls = 0
         app = FastAPI()
 
@@ -69,6 +70,8 @@ class StandIn:
             if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
                 return JSONResponse({"error": {"message": "bad key"}}, status_code=401)
             self.polls += 1
+            if self.status_code != 200:
+                return JSONResponse({"error": {"message": "not now"}}, status_code=self.status_code)
             return self.state
 
         self.port = free_port()
@@ -177,3 +180,14 @@ def test_a_server_that_goes_away_is_reported(page):
         wait_for_updates(page, 1)
     page.wait_for_function("document.getElementById('status').classList.contains('error')")
     assert "unreachable" in page.inner_text("#status")
+
+
+def test_a_loading_server_is_reported_then_drawn(page):
+    with StandIn() as server:
+        server.status_code = 503
+        page.goto(server.url("?interval=200"))
+        page.wait_for_function("document.getElementById('status').textContent.includes('loading')")
+        assert "error" not in page.get_attribute("#status", "class")
+        server.status_code = 200
+        wait_for_updates(page, 1)
+        assert "live" in page.inner_text("#status")
