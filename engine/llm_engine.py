@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from cuda_ext import ops
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs, EngineConfig
 from engine.metrics import EngineStats
@@ -34,6 +35,9 @@ class LLMEngine:
         mc, cc = config.model, config.cache
         self.tokenizer = load_tokenizer(mc.path, chat_template) if mc.load_format != "dummy" else None
         self.chat_template = chat_template
+        # NOTE: build or load the compiled ops now, not on the first request (the first build
+        # takes ~10-40 s); the backend in use is logged.
+        ops.backend()
         self.executor = create_executor(config)  # the model, on this process or on N (tensor parallel)
         num_gpu, num_cpu = self.executor.num_blocks()
         max_len_blocks = -(-mc.max_model_len // cc.block_size)
