@@ -127,13 +127,12 @@ class MultiProcessExecutor(Executor):
         self._finalizer = weakref.finalize(self, _stop_processes, list(self._procs.values()))
         t0 = time.perf_counter()
         try:
-            self._group = parallel.init(0, tp, init_method, device)
+            self._group = self._join_group(init_method, device)
             parallel.broadcast_object(config, self._group)
             self.runner = ModelRunner(config.model, device, config.cache.block_size)
+            parallel.wait_for_all(self._group, parallel.start_timeout_s())  # every rank loaded
         except BaseException as e:
-            self._closed = True
-            parallel.destroy()
-            _stop_processes(list(self._procs.values()))
+            self._teardown()
             raise self._explain(e, "while starting") from e
         self.weights_bytes = self.runner.weights_bytes
         logger.info("tensor parallelism: %d ranks (%d started here), %s, ready in %.1f s",
@@ -150,6 +149,32 @@ class MultiProcessExecutor(Executor):
         if not 0 <= local < self.tp_size:
             raise ValueError(f"PAGED_SERVE_TP_LOCAL_WORKERS must be in 0..{self.tp_size - 1}, got {local}")
         return f"tcp://{addr}:{port or 29500}", local
+
+    def _join_group(self, init_method: str, device: torch.device):
+        """parallel.init() for rank 0, but give up as soon as a worker started here dies
+        (a worker that fails on import would otherwise leave us waiting for the timeout)."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        result: dict = {}
+
+        def join() -> None:
+            try:
+                result["group"] = parallel.init(0, self.tp_size, init_method, device)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                result["error"] = e
+
+        t = threading.Thread(target=join, name="tp-rendezvous", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.2)
+            dead = self._dead_worker()
+            if dead is not None and t.is_alive():
+                # NOTE: the thread stays blocked until the rendezvous times out; it cannot
+                # complete without the dead rank, so it never initialises the group.
+                raise dead
+        if "error" in result:
+            raise result["error"]
+        return result["group"]
 
     # ------------------------------------------------------------------ the executor interface
     def num_blocks(self) -> tuple[int, int]:
@@ -178,16 +203,22 @@ class MultiProcessExecutor(Executor):
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
-            if self._failure is None and self._dead_worker() is None:
+            clean = self._failure is None and self._dead_worker() is None
+            if clean:
                 try:  # workers wait for this message, so they leave on their own
                     parallel.broadcast_object((worker.STOP, ()), self._group)
                 except Exception:  # noqa: BLE001 - stopping anyway
                     logger.warning("could not tell the tensor-parallel workers to stop", exc_info=True)
-            clean = self._failure is None
-            _stop_processes(list(self._procs.values()), _JOIN_TIMEOUT_S if clean else 0.0)
-            parallel.destroy()
+                    clean = False
+            self._teardown(_JOIN_TIMEOUT_S if clean else 0.0)
         logger.info("tensor-parallel executor shut down")
+
+    def _teardown(self, grace_s: float = 0.0) -> None:
+        """End the workers and leave the group (once)."""
+        if not self._closed:
+            self._closed = True
+            _stop_processes(list(self._procs.values()), grace_s)
+            parallel.destroy()
 
     # ------------------------------------------------------------------ internals
     def _call(self, method: str, *args):
@@ -202,6 +233,8 @@ class MultiProcessExecutor(Executor):
                 # message sequence (a worker may wait in a collective the driver left), so the
                 # group is unusable: fail now rather than hang in the next step.
                 self._failure = self._explain(e, f"during {method}")
+                logger.error("%s", self._failure)
+                self._teardown()
                 raise self._failure from e
 
     def _watch(self) -> None:
@@ -212,6 +245,8 @@ class MultiProcessExecutor(Executor):
             time.sleep(_WATCH_INTERVAL_S)
             dead = self._dead_worker()
             if dead is not None:
+                # NOTE: only flag it: the engine thread may be inside a collective right now,
+                # which fails on its own (the peer is gone) and then tears the group down.
                 self._failure = dead
                 logger.error("%s", dead)
                 return
@@ -224,6 +259,7 @@ class MultiProcessExecutor(Executor):
             except Exception as e:  # noqa: BLE001
                 self._failure = self._explain(e, "while idle")
                 logger.error("%s", self._failure)
+                self._teardown()
             finally:
                 self._lock.release()
 
@@ -240,8 +276,9 @@ class MultiProcessExecutor(Executor):
         dead = self._dead_worker()
         if dead is not None:
             return dead
+        detail = (str(e).splitlines() or [""])[0][:200]
         return WorkerDiedError(
-            f"the tensor-parallel group failed {when} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"the tensor-parallel group failed {when} ({type(e).__name__}: {detail}); "
             "a worker died, hung past PAGED_SERVE_TP_TIMEOUT, or could not join: restart the server"
         )
 

@@ -15,7 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = 120.0  # one collective (or the start-up rendezvous) waits at most this long
+DEFAULT_TIMEOUT_S = 120.0  # one collective (or the rendezvous) waits at most this long
+DEFAULT_START_TIMEOUT_S = 600.0  # every rank has loaded its shard within this long
 
 
 def world_size() -> int:
@@ -39,6 +40,17 @@ def all_gather_last_dim(t: torch.Tensor) -> torch.Tensor:
 def timeout_s() -> float:
     """Seconds before a stuck collective fails: $PAGED_SERVE_TP_TIMEOUT or the default."""
     return float(os.environ.get("PAGED_SERVE_TP_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
+def start_timeout_s() -> float:
+    """Seconds for all ranks to load their shards: $PAGED_SERVE_TP_START_TIMEOUT or the default."""
+    return float(os.environ.get("PAGED_SERVE_TP_START_TIMEOUT", DEFAULT_START_TIMEOUT_S))
+
+
+def wait_for_all(group: dist.ProcessGroup, timeout: float) -> None:
+    """A barrier with its own timeout (loading a shard may take longer than one collective);
+    on rank 0 a failure names the ranks that did not arrive."""
+    dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout))
 
 
 def backend_for(device: torch.device) -> str:

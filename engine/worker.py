@@ -70,6 +70,7 @@ def run_worker(rank: int, world_size: int, init_method: str, device_type: str, l
             )
         logger.info("tensor-parallel worker %d/%d on %s", rank, world_size, device)
         runner = ModelRunner(config.model, device, config.cache.block_size)
+        parallel.wait_for_all(group, parallel.start_timeout_s())
         while True:
             method, args = parallel.broadcast_object(None, group)
             if method == STOP:

@@ -1,0 +1,46 @@
+"""Tensor-parallel tests run the driver (rank 0) in the test process and its workers as child
+processes (gloo on CPU). Every test leaves no process group and no worker behind, and no test
+may hang: a collective gives up after PAGED_SERVE_TP_TIMEOUT seconds (30 here)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = "30"
+
+
+@pytest.fixture(autouse=True)
+def tp_env(monkeypatch):
+    monkeypatch.setenv("PAGED_SERVE_TP_TIMEOUT", TIMEOUT_S)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the workers: 2 shared cores
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "PAGED_SERVE_TP_LOCAL_WORKERS"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    assert not dist.is_initialized(), "a test left the process group initialised"
+    assert not [p for p in mp.active_children() if p.name.startswith("tp-worker")], "a worker was left running"
+
+
+@contextlib.contextmanager
+def tp_llm(**engine_args):
+    """An `LLM` whose executor is shut down on the way out, whatever happened."""
+    from engine.llm import LLM
+
+    llm = LLM(**engine_args)
+    try:
+        yield llm
+    finally:
+        llm.engine.executor.shutdown()
+
+
+def top2_of(output) -> list[tuple[tuple[float, int], tuple[float, int]]]:
+    """Per generated position, the top-2 (logprob, token id) of a run with logprobs=2."""
+    out = []
+    for entry in output.logprobs:
+        ranked = sorted(((lp.rank, lp.logprob, tid) for tid, lp in entry.items()))
+        (_, lp1, id1), (_, lp2, id2) = ranked[0], ranked[1]
+        out.append(((lp1, id1), (lp2, id2)))
+    return out

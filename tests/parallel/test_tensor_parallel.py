@@ -1,0 +1,196 @@
+"""Tensor parallelism on the CPU (gloo): the same greedy tokens as one process, 1/N of the
+weights and KV per rank, clear errors at start-up, and a dead or hung worker failing the engine
+within a bounded time instead of hanging it.
+
+Greedy tokens may differ from the single-process run only past a numerical near-tie of the
+reference (the foundation tests' rule: top-2 logprobs within 1e-4, ours its runner-up), since
+an all-reduce sums the partial products in another order.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch.multiprocessing as mp
+
+from engine.executor import WorkerDiedError, _free_port
+from engine.model_runner import StepInput
+from engine.sampling_params import SamplingParams
+from tests.engine.test_hf_equality import assert_matches
+from tests.parallel.conftest import top2_of, tp_llm
+
+# NOTE: a small swap pool: each rank allocates (and zeroes) its own.
+TINY = {"model": "tiny-4kv", "load_format": "dummy", "max_model_len": 128, "kv_cache_memory": "16MiB",
+        "block_size": 16, "swap_space": 0.02}
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, **kw)
+
+
+def compare(ours, reference, label: str) -> None:
+    for k, (a, b) in enumerate(zip(ours, reference)):
+        for j, (x, y) in enumerate(zip(a.outputs, b.outputs)):
+            assert_matches(x.token_ids, y.token_ids, top2_of(y), f"{label}: request {k} sample {j}")
+
+
+def test_step_input_is_lean_and_picklable():
+    """What the driver sends each step: plain ids and tables, no Sequence (it holds detokenizers)."""
+    from engine.scheduler import ScheduledSeq, SchedulerOutput
+    from engine.sequence import Sequence
+
+    prefill, decode = Sequence(list(range(40))), Sequence([1, 2, 3])
+    prefill.num_computed_tokens = 16  # a cached prefix
+    decode.output_token_ids = [7, 8]
+    decode.num_computed_tokens = 4
+    out = SchedulerOutput(
+        scheduled=[ScheduledSeq(prefill, None, 24, True, [3, 4, 5]), ScheduledSeq(decode, None, 1, False, [9])],
+        blocks_to_swap_in=[(0, 1)], blocks_to_copy=[(2, 6)],
+    )
+    step = StepInput.from_scheduler_output(out)
+    assert [(s.token_ids, s.start, s.block_table, s.is_prefill) for s in step.seqs] == [
+        (list(range(16, 40)), 16, [3, 4, 5], True),
+        ([8], 4, [9], False),
+    ]
+    assert step.blocks_to_swap_in == [(0, 1)] and step.blocks_to_copy == [(2, 6)]
+    data = pickle.dumps(step)
+    assert b"Sequence" not in data and len(data) < 1024
+
+
+def test_tp2_on_three_kv_heads_fails_clearly_at_start():
+    """SmolLM2 has 3 KV heads: N=2 is refused before any worker starts."""
+    from engine.llm import LLM
+
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide this model's 3 KV heads.*Valid sizes.*1, 3"):
+        LLM(tensor_parallel_size=2, max_model_len=256, kv_cache_memory="64MiB")
+    assert time.monotonic() - t0 < 30
+    assert not [p for p in mp.active_children() if p.name.startswith("tp-worker")]
+
+
+def test_tiny_4kv_tp2_equals_tp1_with_swaps_and_copies():
+    """Same seeded dummy weights at TP=1 and TP=2; a pool small enough to swap, and n=2 forks
+    that copy-on-write, so every kind of block move runs on both ranks."""
+    prompts = [[(7 * i + j) % 1000 + 3 for j in range(30 + 9 * i)] for i in range(4)]
+    params = [greedy(40, ignore_eos=True)] * 3 + [greedy(40, ignore_eos=True, n=2)]
+    args = dict(TINY, num_gpu_blocks_override=12)
+    with tp_llm(**args) as llm:
+        reference = llm.generate(prompts, params)
+        swaps = llm.engine.scheduler.swapped_blocks["out"]
+        full_bytes = llm.engine.executor.weights_bytes
+    with tp_llm(**args, tensor_parallel_size=2) as llm:
+        assert llm.engine.executor.weights_bytes < 0.55 * full_bytes, "each rank holds about half the weights"
+        ours = llm.generate(prompts, params)
+        assert llm.engine.scheduler.swapped_blocks["out"] == swaps > 0
+        llm.engine.block_manager.check_integrity()
+    compare(ours, reference, "tiny-4kv TP=2")
+
+
+def test_smollm2_tp3_equals_single_process(tokenizer_ids):
+    """The default model split over 3 ranks (3 KV heads, one each) gives the single-process
+    greedy tokens for prompts of the foundation tests, batched."""
+    from tests.engine.conftest import get_llm
+
+    prompts, new = tokenizer_ids
+    params = greedy(new)
+    single = get_llm(block_size=16)  # the foundation tests' engine (shared when run together)
+    reference = single.generate(prompts, params)
+    per_block_tp1 = single.engine.cache.bytes_per_block
+    with tp_llm(max_model_len=2048, kv_cache_memory="64MiB", swap_space=0.02, enable_prefix_caching=False,
+                tensor_parallel_size=3) as llm:
+        assert llm.engine.cache.bytes_per_block * 3 == per_block_tp1  # one KV head of three per rank
+        ours = llm.generate(prompts, params)
+    compare(ours, reference, "SmolLM2 TP=3")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_ids():
+    from engine.models.loader import resolve_model
+    from engine.tokenizer import load_tokenizer
+    from tests.engine.prompts import CASES, prompt_of_length
+
+    tok = load_tokenizer(resolve_model(None)[0])
+    return [prompt_of_length(tok, n, off) for n, _, off in CASES[:3]], 12
+
+
+def _run_until_failure(engine, limit_s: float) -> tuple[Exception, float]:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        try:
+            engine.step()
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            return e, time.monotonic() - t0
+    raise AssertionError(f"the engine kept running {limit_s} s after its worker was stopped")
+
+
+def _start_long_requests(engine, count: int = 3) -> None:
+    for i in range(count):
+        engine.add_request(f"r{i}", [5 + i] * 20, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+
+
+@pytest.mark.timeout(90)
+def test_worker_killed_mid_run_fails_the_engine_cleanly():
+    with tp_llm(**TINY, tensor_parallel_size=2) as llm:
+        engine = llm.engine
+        _start_long_requests(engine)
+        pid = engine.executor._procs[1].pid
+        threading.Timer(0.2, os.kill, (pid, signal.SIGKILL)).start()  # lands mid-step, in a collective
+        err, took = _run_until_failure(engine, 30)
+        assert isinstance(err, WorkerDiedError) and "rank 1" in str(err) and "SIGKILL" in str(err), err
+        assert took < 10
+        with pytest.raises(WorkerDiedError):  # at once, never again into a collective
+            engine.step()
+        with pytest.raises(WorkerDiedError):
+            engine.executor.check_health()
+
+
+@pytest.mark.timeout(90)
+def test_hung_worker_fails_the_step_after_the_timeout(monkeypatch):
+    monkeypatch.setenv("PAGED_SERVE_TP_TIMEOUT", "4")
+    with tp_llm(**TINY, tensor_parallel_size=2) as llm:
+        engine = llm.engine
+        _start_long_requests(engine)
+        os.kill(engine.executor._procs[1].pid, signal.SIGSTOP)
+        err, took = _run_until_failure(engine, 30)
+        assert isinstance(err, WorkerDiedError) and "PAGED_SERVE_TP_TIMEOUT" in str(err), err
+        assert took < 15
+
+
+@pytest.mark.timeout(120)
+def test_worker_from_elsewhere_joins_through_env_rendezvous(monkeypatch):
+    """`python -m engine.worker` with MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK, as on another
+    machine; the daemon starts no worker of its own (PAGED_SERVE_TP_LOCAL_WORKERS=0)."""
+    port = str(_free_port())
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", port)
+    monkeypatch.setenv("PAGED_SERVE_TP_LOCAL_WORKERS", "0")
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", PAGED_SERVE_DEVICE="cpu")
+    worker = subprocess.Popen([sys.executable, "-m", "engine.worker"], env=env)
+    try:
+        prompts = [[11, 12, 13, 14], [500] * 33]
+        with tp_llm(**TINY) as llm:
+            reference = llm.generate(prompts, greedy(16))
+        with tp_llm(**TINY, tensor_parallel_size=2) as llm:
+            assert not llm.engine.executor._procs
+            ours = llm.generate(prompts, greedy(16))
+        compare(ours, reference, "env:// worker")
+        assert worker.wait(timeout=20) == 0  # told to stop, it leaves cleanly
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def test_worker_entry_point_explains_missing_rendezvous_env():
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    res = subprocess.run([sys.executable, "-m", "engine.worker"], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "MASTER_ADDR" in res.stderr
