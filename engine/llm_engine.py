@@ -150,6 +150,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def check_health(self) -> None:
+        """Raise (executor.WorkerDiedError, `fatal`) if steps can no longer run: a dead worker."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any; the engine cannot step afterwards."""
+        self.executor.shutdown()
+
     def chat_prompt(self, messages: list[dict], chat_template: str | None = None) -> str:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer (dummy weights)")
