@@ -166,12 +166,14 @@ class LLMEngine:
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        scheduled_at = time.monotonic()
+        for s in sched.scheduled:
+            if s.group.metrics.first_scheduled_time is None:
+                s.group.metrics.first_scheduled_time = scheduled_at
         logits = self.executor.execute(StepInput.from_scheduler_output(sched))
         now = time.monotonic()
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
-            if s.group.metrics.first_scheduled_time is None:
-                s.group.metrics.first_scheduled_time = now
         ttfts, itls = self._process_samples(sched, logits, now)
         finished = self.scheduler.free_finished()
         touched = {id(s.group): s.group for s in sched.scheduled}
