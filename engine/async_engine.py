@@ -195,14 +195,18 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests (event loop)
     def check_accepting(self, num_requests: int = 1) -> None:
-        """Raise unless `num_requests` more requests may be added now (no engine access)."""
+        """Raise unless `num_requests` more requests may be added now (no engine access): 429
+        (`QueueFullError`) once adding them would take a non-empty waiting queue past the bound."""
         if self.state is EngineState.DEAD:
             raise EngineDeadError(self.dead_reason or "The engine is not running.")
         if self.state is EngineState.STOPPED:
             raise EngineDeadError("The engine has been shut down.")
         if self.state is EngineState.LOADING:
             raise EngineNotReadyError("The model is still loading; try again shortly.")
-        if self.max_queued_requests is not None and self.num_queued + num_requests > self.max_queued_requests:
+        # NOTE: a request is never refused by an empty queue, even one with more prompts than
+        # the bound: otherwise it could never be served, and Retry-After would loop forever.
+        queued = self.num_queued
+        if self.max_queued_requests is not None and queued and queued + num_requests > self.max_queued_requests:
             raise QueueFullError(
                 f"The server is overloaded: {self.num_queued} requests are already waiting "
                 f"(--max-queued-requests {self.max_queued_requests}). Retry shortly."

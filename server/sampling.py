@@ -82,6 +82,16 @@ def _check_max_tokens(max_tokens: int | None, settings: ServerSettings, param: s
         raise bad_request(f"{param} must be at most {settings.max_tokens_limit}, got {max_tokens}.", param=param)
 
 
+def _default_max_tokens(default: int | None, settings: ServerSettings) -> int | None:
+    """A request that does not set max_tokens gets `default` (None: the rest of the context),
+    capped at --max-tokens-limit: the limit bounds every generation, asked for or not.
+    NOTE: a capped default counts against the context like an explicit max_tokens would."""
+    limit = settings.max_tokens_limit
+    if limit is None:
+        return default
+    return limit if default is None else min(default, limit)
+
+
 def _build(kwargs: dict) -> SamplingParams:
     try:
         return SamplingParams(**kwargs)
@@ -93,14 +103,17 @@ def completion_params(req: CompletionRequest, settings: ServerSettings, vocab_si
     kwargs = _common_checks(req, settings, vocab_size)
     if req.suffix:
         raise bad_request("suffix is not supported.", param="suffix")
-    _check_max_tokens(req.max_tokens, settings, "max_tokens")
+    max_tokens = req.max_tokens
+    if max_tokens is None or "max_tokens" not in req.model_fields_set:
+        max_tokens = _default_max_tokens(max_tokens, settings)
+    _check_max_tokens(max_tokens, settings, "max_tokens")
     if req.logprobs is not None:
         if req.logprobs < 0:
             raise bad_request(f"logprobs must be non-negative, got {req.logprobs}.", param="logprobs")
         if req.logprobs > settings.max_logprobs:
             raise bad_request(f"logprobs must be at most {settings.max_logprobs}, got {req.logprobs}.",
                               param="logprobs")
-    kwargs.update(max_tokens=req.max_tokens, logprobs=req.logprobs)
+    kwargs.update(max_tokens=max_tokens, logprobs=req.logprobs)
     if req.echo and req.logprobs is not None:
         kwargs["prompt_logprobs"] = req.logprobs
     return _build(kwargs)
@@ -113,6 +126,8 @@ def chat_params(req: ChatCompletionRequest, settings: ServerSettings, vocab_size
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise bad_request("response_format other than text is not supported.", param="response_format")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:
+        max_tokens = _default_max_tokens(None, settings)
     _check_max_tokens(max_tokens, settings,
                       "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     logprobs = None
