@@ -1,8 +1,9 @@
 """Fixtures that run `python -m server` as a subprocess on a free loopback port.
 
-`real_server` (session): the default model, small KV pool; loaded once for the whole session.
-`fake_server` (module): the same server over `tests.server.fake_engine` (no model), for fault
-injection, limits and drain tests. `start_server(...)` starts one with any flags.
+`real_server` (session): the default model, small KV pool, loaded once for the whole session,
+through `tests.server.faulty_engine` (the real engine; only prompts carrying a FAULT: marker
+misbehave). `start_server(...)` starts one with any flags (tests that need their own flags).
+Tests marked `slow` run only when asked for: `-m slow`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 REAL_FLAGS = ["--max-model-len", "2048", "--kv-cache-memory", "256MiB", "--max-num-seqs", "64",
               "--disable-uvicorn-access-log", "--log-level", "warning", "--seed", "0"]
-FAKE = "tests.server.fake_engine:build"
+FAULTY = "tests.server.faulty_engine:build"
 
 
 def free_port() -> int:
@@ -91,14 +92,16 @@ def wait_for_health(server: ServerProcess, timeout: float) -> None:
 
 @pytest.fixture(scope="session")
 def real_server():
-    server = start_server(*REAL_FLAGS)
+    server = start_server("--engine-factory", FAULTY, *REAL_FLAGS)
     yield server
     code = server.stop()
     assert code == 0, server.log()[-4000:]
 
 
-@pytest.fixture(scope="module")
-def fake_server():
-    server = start_server("--engine-factory", FAKE, "--log-level", "warning", "--disable-uvicorn-access-log")
-    yield server
-    server.stop()
+def pytest_collection_modifyitems(config, items):
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="long fuzz / soak run: opt in with -m slow")
+    for item in items:
+        if item.get_closest_marker("slow") and "tests/server" in str(item.fspath):
+            item.add_marker(skip)

@@ -1,4 +1,6 @@
-"""AsyncEngine over the fake engine, in-process: ordering, abort on cancel, error paths."""
+"""AsyncEngine in-process over the real engine (default model, loaded once for the module,
+with `tests.server.faulty_engine`'s markers for the error paths): ordering, abort on cancel,
+error isolation, a dead loop, the queue bound."""
 
 from __future__ import annotations
 
@@ -7,11 +9,31 @@ import asyncio
 import pytest
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineState, QueueFullError, RequestFailedError
+from engine.config import EngineArgs
 from engine.sampling_params import SamplingParams
-from tests.server.fake_engine import FakeEngine
+from tests.server.faulty_engine import FAIL, KILL, FaultyEngine
 
 
-def run_with_engine(body, factory=FakeEngine, **kw):
+@pytest.fixture(scope="module")
+def llm():
+    import torch
+
+    torch.set_num_threads(1)  # as the servers in these tests run (see conftest)
+    return FaultyEngine.from_engine_args(EngineArgs(max_model_len=256, kv_cache_memory="32MiB", seed=0))
+
+
+@pytest.fixture
+def engine_factory(llm):
+    """Each test runs its own AsyncEngine over the module's engine, left clean afterwards."""
+    yield lambda: llm
+    llm.killed = False
+    for request_id in list(llm.requests):
+        llm.abort_request(request_id)
+    llm.block_manager.check_integrity()
+    assert llm.block_manager.gpu.num_free == llm.block_manager.gpu.num_blocks
+
+
+def run_with_engine(body, factory, **kw):
     async def main():
         engine = AsyncEngine(factory, **kw)
         engine.start()
@@ -23,75 +45,80 @@ def run_with_engine(body, factory=FakeEngine, **kw):
     return asyncio.run(main())
 
 
-def test_generate_streams_to_the_end_and_reports_stats():
+def test_generate_streams_to_the_end_and_reports_stats(engine_factory, llm):
     seen = []
 
     async def body(engine):
         await engine.wait_ready()
-        outs = [o async for o in engine.generate("r1", "a", SamplingParams(max_tokens=5))]
-        return outs
+        return [o async for o in engine.generate("r1", "The sky is", SamplingParams(max_tokens=5, temperature=0,
+                                                                                    ignore_eos=True))]
 
-    outs = run_with_engine(body, on_stats=seen.append)
-    assert outs[-1].finished and outs[-1].outputs[0].text == "bcdef"
-    assert [len(o.outputs[0].token_ids) for o in outs] == sorted({len(o.outputs[0].token_ids) for o in outs})
+    outs = run_with_engine(body, engine_factory, on_stats=seen.append)
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
+    assert outs[-1].outputs[0].text == llm.tokenizer.decode(outs[-1].outputs[0].token_ids)
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == sorted(set(lengths)), "outputs must come in order, never repeated"
     assert seen, "on_stats was never called"
 
 
-def test_cancelling_the_iterator_aborts_the_request():
+def test_cancelling_the_iterator_aborts_the_request(engine_factory):
     async def body(engine):
         await engine.wait_ready()
-        gen = engine.generate("r1", "SLOW", SamplingParams(max_tokens=100))
+        gen = engine.generate("r1", "Tell me a story", SamplingParams(max_tokens=100, ignore_eos=True))
         await gen.__anext__()
         await gen.aclose()
-        for _ in range(100):
-            if await engine.call(lambda e: not e.requests):
+        for _ in range(200):
+            if await engine.call(lambda e: not e.requests and e.block_manager.gpu.num_free == e.block_manager.gpu.num_blocks):
                 return engine.num_in_flight
             await asyncio.sleep(0.01)
         raise AssertionError("request still in the engine")
 
-    assert run_with_engine(body) == 0
+    assert run_with_engine(body, engine_factory) == 0
 
 
-def test_value_error_from_add_leaves_nothing_behind():
+def test_value_error_from_add_leaves_nothing_behind(engine_factory):
     async def body(engine):
         await engine.wait_ready()
         with pytest.raises(ValueError, match="maximum context length"):
-            await engine.add_request("r1", "x" * 200, SamplingParams(max_tokens=10))
+            await engine.add_request("r1", [1] * 250, SamplingParams(max_tokens=10))
         return engine.num_in_flight, engine.num_queued
 
-    assert run_with_engine(body) == (0, 0)
+    assert run_with_engine(body, engine_factory) == (0, 0)
 
 
-def test_failing_request_is_isolated():
+def test_failing_request_is_isolated(engine_factory):
     async def body(engine):
         await engine.wait_ready()
-        good = await engine.add_request("good", "a", SamplingParams(max_tokens=50))
-        bad = await engine.add_request("bad", "FAIL_REQUEST", SamplingParams(max_tokens=50))
-        with pytest.raises(RequestFailedError):
+        good = await engine.add_request("good", "Count: one, two,", SamplingParams(max_tokens=6, ignore_eos=True))
+        bad = await engine.add_request("bad", f"{FAIL} here", SamplingParams(max_tokens=6))
+        with pytest.raises(RequestFailedError, match="injected failure in request bad"):
             async for _ in bad:
                 pass
         outs = [o async for o in good]
-        return outs[-1].outputs[0].finish_reason, engine.state
+        return outs[-1].outputs[0].finish_reason, len(outs[-1].outputs[0].token_ids), engine.state
 
-    assert run_with_engine(body) == ("length", EngineState.READY)
+    assert run_with_engine(body, engine_factory) == ("length", 6, EngineState.READY)
 
 
-def test_dead_loop_fails_everything_and_refuses_new_requests():
+def test_dead_loop_fails_everything_and_refuses_new_requests(engine_factory):
     async def body(engine):
         await engine.wait_ready()
-        stream = await engine.add_request("r", "KILL_ENGINE", SamplingParams(max_tokens=5))
+        stream = await engine.add_request("r", f"{KILL} now", SamplingParams(max_tokens=5))
         with pytest.raises((EngineDeadError, RequestFailedError)):
             async for _ in stream:
                 pass
-        for _ in range(100):
+        for _ in range(200):
             if engine.state is EngineState.DEAD:
                 break
             await asyncio.sleep(0.01)
         with pytest.raises(EngineDeadError):
             await engine.add_request("r2", "a", SamplingParams(max_tokens=5))
-        return engine.state
+        with pytest.raises(EngineDeadError):
+            await engine.call(lambda e: None)
+        return engine.state, engine.dead_reason
 
-    assert run_with_engine(body) is EngineState.DEAD
+    state, reason = run_with_engine(body, engine_factory)
+    assert state is EngineState.DEAD and "injected engine death" in reason
 
 
 def test_load_failure_reports_dead():
@@ -103,27 +130,35 @@ def test_load_failure_reports_dead():
             await engine.wait_ready()
         return engine.state
 
-    assert run_with_engine(body, factory=broken) is EngineState.DEAD
+    assert run_with_engine(body, broken) is EngineState.DEAD
 
 
-def test_queue_bound():
+def test_queue_bound(engine_factory):
     async def body(engine):
         await engine.wait_ready()
         engine.check_accepting(2)
-        with pytest.raises(QueueFullError):
-            engine.check_accepting(3)
+        engine.check_accepting(3)  # an empty queue takes any request (else it could never run)
+        stream = await engine.add_request("waiting", "Hello", SamplingParams(max_tokens=2))
+        if engine.num_queued:  # no output yet: it still waits
+            engine.check_accepting(1)
+            with pytest.raises(QueueFullError):
+                engine.check_accepting(2)
+        async for _ in stream:
+            pass
+        engine.release("waiting")
+        return engine.num_queued
 
-    run_with_engine(body, max_queued_requests=2)
+    assert run_with_engine(body, engine_factory, max_queued_requests=2) == 0
 
 
-def test_queued_count_returns_to_zero():
+def test_queued_count_returns_to_zero(engine_factory):
     async def body(engine):
         await engine.wait_ready()
-        streams = [await engine.add_request(f"r{i}", "a", SamplingParams(max_tokens=3)) for i in range(5)]
+        streams = [await engine.add_request(f"r{i}", f"Item {i}:", SamplingParams(max_tokens=2)) for i in range(5)]
         for stream in streams:
             async for _ in stream:
                 pass
             engine.release(stream.request_id)
         return engine.num_queued, engine.num_in_flight
 
-    assert run_with_engine(body) == (0, 0)
+    assert run_with_engine(body, engine_factory) == (0, 0)
