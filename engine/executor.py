@@ -112,6 +112,11 @@ class MultiProcessExecutor(Executor):
 
         init_method, local = self._rendezvous()
         device = worker.rank_device(config.device, 0)
+        if device.type == "cuda" and torch.cuda.device_count() < local + 1:
+            raise ValueError(
+                f"tensor_parallel_size={tp} starts {local + 1} ranks on this machine, one GPU each, but it "
+                f"has {torch.cuda.device_count()} GPU(s); see docs/tensor_parallel.md for several machines"
+            )
         worker.set_cpu_threads(device, local + 1)
         ctx = mp.get_context("spawn")
         for rank in range(1, local + 1):
@@ -133,6 +138,8 @@ class MultiProcessExecutor(Executor):
             parallel.wait_for_all(self._group, parallel.start_timeout_s())  # every rank loaded
         except BaseException as e:
             self._teardown()
+            if self._dead_worker() is None and not _is_distributed_error(e):
+                raise  # e.g. the model failed to load here: the error says it best
             raise self._explain(e, "while starting") from e
         self.weights_bytes = self.runner.weights_bytes
         logger.info("tensor parallelism: %d ranks (%d started here), %s, ready in %.1f s",
@@ -217,13 +224,18 @@ class MultiProcessExecutor(Executor):
         """End the workers and leave the group (once)."""
         if not self._closed:
             self._closed = True
+            self._finalizer.detach()
             _stop_processes(list(self._procs.values()), grace_s)
             parallel.destroy()
 
     # ------------------------------------------------------------------ internals
     def _call(self, method: str, *args):
         with self._lock:
-            self.check_health()
+            try:
+                self.check_health()
+            except WorkerDiedError:
+                self._teardown()  # the watchdog only flagged it
+                raise
             try:
                 self._last_sent = time.monotonic()
                 parallel.broadcast_object((method, args), self._group)
@@ -276,11 +288,22 @@ class MultiProcessExecutor(Executor):
         dead = self._dead_worker()
         if dead is not None:
             return dead
-        detail = (str(e).splitlines() or [""])[0][:200]
+        detail = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        if _is_distributed_error(e):
+            return WorkerDiedError(
+                f"the tensor-parallel group failed {when} ({detail}); a worker died, hung past "
+                "PAGED_SERVE_TP_TIMEOUT, or could not join: restart the server"
+            )
         return WorkerDiedError(
-            f"the tensor-parallel group failed {when} ({type(e).__name__}: {detail}); "
-            "a worker died, hung past PAGED_SERVE_TP_TIMEOUT, or could not join: restart the server"
+            f"rank 0 failed {when} ({detail}) and the tensor-parallel workers are out of step "
+            "with it: restart the server"
         )
+
+
+def _is_distributed_error(e: BaseException) -> bool:
+    """A failed or timed-out collective or rendezvous (gloo raises plain RuntimeErrors)."""
+    text = str(e).lower()
+    return isinstance(e, torch.distributed.DistError) or any(w in text for w in ("gloo", "nccl", "timed out"))
 
 
 def _describe_exit(code: int | None) -> str:

@@ -154,6 +154,27 @@ def test_worker_killed_mid_run_fails_the_engine_cleanly():
 
 
 @pytest.mark.timeout(90)
+def test_worker_dying_while_idle_is_noticed_without_a_step():
+    with tp_llm(**TINY, tensor_parallel_size=2) as llm:
+        engine = llm.engine
+        engine.executor.check_health()
+        os.kill(engine.executor._procs[1].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                engine.check_health()
+            except WorkerDiedError as e:
+                assert "rank 1" in str(e)
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("check_health() did not notice the dead worker")
+        engine.add_request("late", [5, 6, 7], greedy(4))
+        with pytest.raises(WorkerDiedError):
+            engine.step()
+
+
+@pytest.mark.timeout(90)
 def test_hung_worker_fails_the_step_after_the_timeout(monkeypatch):
     monkeypatch.setenv("PAGED_SERVE_TP_TIMEOUT", "4")
     with tp_llm(**TINY, tensor_parallel_size=2) as llm:
