@@ -225,6 +225,7 @@ def run_prefix_once(args, prompts: list[list[int]], caching: bool) -> tuple[dict
     offsets = arrival_offsets(len(prompts), args.request_rate, args.seed)
     pending = list(enumerate(zip(offsets, prompts)))
     done = {}
+    peak_usage = 0.0
     start = time.monotonic()
     while pending or engine.has_unfinished_requests():
         now = time.monotonic()
@@ -237,6 +238,7 @@ def run_prefix_once(args, prompts: list[list[int]], caching: bool) -> tuple[dict
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
+        peak_usage = max(peak_usage, engine.last_stats.kv_cache_usage)
     end = time.monotonic()
     ttfts = [o.metrics.time_to_first_token for o in done.values()]
     e2es = [o.metrics.e2e_latency for o in done.values()]
@@ -254,6 +256,9 @@ def run_prefix_once(args, prompts: list[list[int]], caching: bool) -> tuple[dict
         "prompt_tokens_from_cache": sum(o.num_cached_tokens for o in done.values()),
         "prefix_cache_queries_total": stats.prefix_cache_queries_total,
         "prefix_cache_hits_total": stats.prefix_cache_hits_total,
+        "num_gpu_blocks": stats.num_gpu_blocks,
+        "peak_kv_cache_usage": peak_usage,  # after a step, fraction of device blocks in use
+        "num_preemptions": dict(stats.num_preemptions_total),
     }
     tokens = {rid: o.outputs[0].token_ids for rid, o in done.items()}
     del llm, engine
@@ -275,7 +280,8 @@ def run_prefix(args) -> dict:
             f"prefix caching {'on ' if caching else 'off'}: TTFT p50 {result['ttft_s']['p50']:.2f} s, "
             f"p99 {result['ttft_s']['p99']:.2f} s; {result['output_tokens_per_s']:.1f} output tok/s, "
             f"{result['requests_per_s']:.2f} req/s; {result['prompt_tokens_from_cache']} of "
-            f"{result['prompt_tokens']} prompt tokens from the cache; {result['duration_s']:.0f} s",
+            f"{result['prompt_tokens']} prompt tokens from the cache; {result['num_preemptions']} preemptions; "
+            f"{result['duration_s']:.0f} s",
             flush=True,
         )
     same = sum(outputs[0][rid] == outputs[1][rid] for rid in outputs[0])

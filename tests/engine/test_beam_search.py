@@ -126,13 +126,15 @@ def test_beams_fork_and_drop_blocks_copy_on_write(make_llm, monkeypatch):
     assert bm.all_free()
 
 
-def test_beam_search_survives_preemption(make_llm, prompts):
-    """A pool too small for two beam requests at once: one is preempted (recomputed with its
-    beams sharing their prompt blocks) and both still equal the run alone."""
-    params = beam_params(2, 2, 0.6, False, max_tokens=12)
-    alone = make_llm(block_size=16).generate(prompts[-2:], params)
+def test_beam_search_survives_preemption(make_llm, tokenizer):
+    """A pool too small for two beam requests at once (each holds a shared prompt block and two
+    blocks per beam): one is preempted, recomputed with its beams sharing their prompt block,
+    and both still equal the run alone."""
+    params = beam_params(2, 2, 0.6, False, max_tokens=8)
+    prompts = [prompt_of_length(tokenizer, 24), prompt_of_length(tokenizer, 20, offset_words=50)]
+    alone = make_llm(block_size=16).generate(prompts, params)
     small = make_llm(block_size=16, max_model_len=64, num_gpu_blocks_override=4, preemption_mode="recompute")
-    both = small.generate(prompts[-2:], params)
+    both = small.generate(prompts, params)
     assert small.engine.last_stats.num_preemptions_total["recompute"] >= 1
     for a, b in zip(alone, both):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]

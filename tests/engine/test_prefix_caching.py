@@ -53,13 +53,13 @@ def run(engine, requests: list[tuple[str, list[int], SamplingParams]]):
 def test_warm_hit_reuses_blocks_and_decodes_like_a_cold_run(make_llm, monkeypatch):
     ids = prompt_of_length(make_llm(**COLD).tokenizer, 100, offset_words=17)  # 6 full blocks + 4
     other = prompt_of_length(make_llm(**COLD).tokenizer, 30, offset_words=333)
-    cold = make_llm(**COLD).generate([ids], greedy(16))[0].outputs[0].token_ids
+    cold = make_llm(**COLD).generate([ids], greedy(8))[0].outputs[0].token_ids
 
     engine = make_llm(**CACHED).engine
     tables = record_tables(engine, monkeypatch)
-    first = run(engine, [("first", ids, greedy(16))])["first"]
+    first = run(engine, [("first", ids, greedy(8))])["first"]
     stats0 = engine.last_stats
-    warm = run(engine, [("warm", ids, greedy(16))])["warm"]
+    warm = run(engine, [("warm", ids, greedy(8))])["warm"]
     stats1 = engine.last_stats
 
     assert warm.num_cached_tokens == 96  # every full prompt block; the rest is computed
@@ -72,7 +72,7 @@ def test_warm_hit_reuses_blocks_and_decodes_like_a_cold_run(make_llm, monkeypatc
     # Two requests admitted in the same step share the prefix too (the first computes it), and
     # a prompt that only starts the same way reuses the blocks it has in common.
     branch = ids[:64] + other
-    both = run(engine, [("a", ids, greedy(16)), ("b", ids, greedy(16)), ("branch", branch, greedy(4))])
+    both = run(engine, [("a", ids, greedy(8)), ("b", ids, greedy(8)), ("branch", branch, greedy(4))])
     assert tables["a"][0][:6] == tables["b"][0][:6] == tables["first"][0][:6]
     assert tables["branch"][0][:4] == tables["first"][0][:4]
     assert both["branch"].num_cached_tokens == 64
