@@ -3,11 +3,14 @@ Every engine handed out is checked after each test: its block pool must be whole
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 
 
+_MAX_CACHED_ENGINES = 3
 _engines: dict[tuple, object] = {}
 
 
@@ -31,7 +34,12 @@ def get_llm(**kwargs):
     from engine.llm import LLM
 
     key = tuple(sorted(kwargs.items()))
-    if key not in _engines:
+    if key in _engines:
+        _engines[key] = _engines.pop(key)  # most recently used last
+    else:
+        while len(_engines) >= _MAX_CACHED_ENGINES:  # each engine holds its weights and KV pool
+            _engines.pop(next(iter(_engines)))
+            gc.collect()
         args = {"max_model_len": 2048, "kv_cache_memory": "256MiB", "enable_prefix_caching": False}
         args.update(kwargs)
         _engines[key] = LLM(**args)
