@@ -72,7 +72,7 @@ def _state(group: SequenceGroup) -> BeamState:
 @dataclass
 class _Candidate:
     parent: Sequence
-    row: int  # the parent's row in the step's logits
+    row: int  # the parent's index in this request's beams (and rows of `raw`)
     token_id: int
     score: float  # the parent's beam score plus this token's log-probability (float32)
 
