@@ -6,7 +6,8 @@ distribution of benchmarks/workload.py, scaled so that prompt + `--max-tokens` f
 one, otherwise estimated from words, at a tokens-per-word ratio taken from the usage of one
 1-token completion (or `--tokens-per-word`); token totals come from the server's usage.
 Requests arrive all at once (`--request-rate inf`) or as a Poisson process at a given rate,
-at most `--concurrency` in flight. The same prompts are sent at every rate of a sweep (`--request-rates 1,2,4,inf`).
+at most `--concurrency` in flight. The same prompts are sent at every rate of a sweep
+(`--request-rates 1,2,4,inf`) unless `--fresh-prompts` draws new ones for each rate.
 
     python -m benchmarks.serve --base-url http://127.0.0.1:8000 --model M \\
         --num-prompts 200 --max-tokens 128 --ignore-eos --request-rates 1,2,4,inf --json r.json
@@ -317,16 +318,24 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
             await counter.detect()
         source = (TextSource.from_file(args.dataset) if args.dataset
                   else TextSource.builtin(seed=args.seed))
-        rng = random.Random(args.seed)
-        lengths = sample_lengths(args.num_prompts, rng, prompt_budget)
-        prompts = await build_prompts(lengths, source, counter, rng, prompt_budget)
+
+        async def make_prompts(seed: int) -> list[Prompt]:
+            rng = random.Random(seed)
+            lengths = sample_lengths(args.num_prompts, rng, prompt_budget)
+            return await build_prompts(lengths, source, counter, rng, prompt_budget)
+
+        # NOTE: with --fresh-prompts each rate gets its own prompts (seed + its index in the
+        # sweep), so a server's prefix cache cannot reuse the previous rate's prompts.
+        prompt_sets = ([await make_prompts(args.seed + i) for i in range(len(rates))]
+                       if args.fresh_prompts else [await make_prompts(args.seed)] * len(rates))
         ignore_eos = await warm_up(client, args.base_url, args.model, args.ignore_eos,
                                    args.extra_body)
         if args.ignore_eos and not ignore_eos:
             print("note: the server rejected ignore_eos; sending requests without it",
                   file=sys.stderr)
-        points = [await run_at_rate(client, args, prompts, rate, ignore_eos) for rate in rates]
-    prompt_tokens = [p.num_tokens for p in prompts]
+        points = [await run_at_rate(client, args, prompts, rate, ignore_eos)
+                  for prompts, rate in zip(prompt_sets, rates)]
+    prompt_tokens = [p.num_tokens for prompts in prompt_sets for p in prompts]
     return {
         "label": args.label or f"{args.model} @ {args.base_url}",
         "base_url": args.base_url,
@@ -337,6 +346,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         "concurrency": args.concurrency,
         "seed": args.seed,
         "dataset": args.dataset or "builtin",
+        "fresh_prompts": args.fresh_prompts,
         "ignore_eos_requested": args.ignore_eos,
         "ignore_eos_sent": ignore_eos,
         "extra_body": args.extra_body,
@@ -402,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="assumed when the server has neither /tokenize nor completion usage")
     p.add_argument("--no-tokenize", action="store_true", help="ask the server nothing: assume --tokens-per-word")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fresh-prompts", action="store_true",
+                   help="new prompts for each rate of a sweep (seed + index), so prefix caches "
+                        "cannot reuse an earlier rate's prompts")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--label", help="series name in the JSON and in plot_serve.py")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
