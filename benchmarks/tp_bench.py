@@ -54,11 +54,10 @@ def run_one(tp: int, args) -> dict:
         steps: list[tuple[float, bool]] = []  # (seconds, whether a prompt was in the step)
         t_run = time.perf_counter()
         while engine.has_unfinished_requests():
+            prefill = bool(engine.scheduler.waiting)  # NOTE: all requests fit: waiting ones start now
             t = time.perf_counter()
             engine.step()
-            stats = engine.last_stats
-            # NOTE: a pure decode step computes one token per running request
-            steps.append((time.perf_counter() - t, stats.iteration_tokens > stats.num_running))
+            steps.append((time.perf_counter() - t, prefill))
         run_s = time.perf_counter() - t_run
     finally:
         engine.shutdown()
@@ -104,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(r), flush=True)
     cores = os.cpu_count()
     threads = os.environ.get("OMP_NUM_THREADS", "cores / TP per rank")
-    print(f"\n{args.device}, {cores} cores, intra-op threads: {threads}; {args.num_prompts} prompts x "
+    print(f"\n{args.device}, {cores} cores (1-minute load average {os.getloadavg()[0]:.1f}), "
+          f"intra-op threads: {threads}; {args.num_prompts} prompts x "
           f"{args.prompt_len} tokens -> {args.max_tokens} tokens each")
     print(f"{'TP':>3} {'load s':>7} {'prefill ms':>11} {'decode step ms (mean/median)':>29} {'tokens/s':>9}")
     for r in results:
@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         print("skipped:", s)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "cpu_count": cores, "results": results, "skipped": skipped}, f, indent=2)
+            json.dump({"args": vars(args), "cpu_count": cores, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                       "load_average_1m_at_end": round(os.getloadavg()[0], 2), "results": results,
+                       "skipped": skipped}, f, indent=2)
     return 0
 
 
