@@ -47,10 +47,3 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
     assert len(report["runs"]) == 3
     assert out_png.read_bytes().startswith(b"\x89PNG")
     assert "reserve (contiguous) waste" in capsys.readouterr().out
-
-
-def test_engine_part_says_it_needs_the_engine_option(capsys):
-    assert kv_waste.main(["engine"]) == 2
-    assert "kv_allocation" in capsys.readouterr().err
-    with pytest.raises(NotImplementedError, match="kv_allocation"):
-        kv_waste.measure_engine(None, "paged", [100])
