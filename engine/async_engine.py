@@ -196,29 +196,42 @@ class AsyncEngine:
     # ------------------------------------------------------------------ requests (event loop)
     def check_accepting(self, num_requests: int = 1) -> None:
         """Raise unless `num_requests` more requests may be added now (no engine access): 429
-        (`QueueFullError`) once adding them would take a non-empty waiting queue past the bound."""
+        (`QueueFullError`) once adding them would take a non-empty waiting queue past the bound.
+        `check_accepting(0)` checks only the engine's state (ready, not loading / dead / stopped)."""
+        self._check_state()
+        # NOTE: a request is never refused by an empty queue, even one with more prompts than
+        # the bound: otherwise it could never be served, and Retry-After would loop forever.
+        queued = self.num_queued
+        bounded = self.max_queued_requests is not None and num_requests > 0
+        if bounded and queued and queued + num_requests > self.max_queued_requests:
+            raise QueueFullError(
+                f"The server is overloaded: {self.num_queued} requests are already waiting "
+                f"(--max-queued-requests {self.max_queued_requests}). Retry shortly."
+            )
+
+    def _check_state(self) -> None:
+        """Raise unless the engine is ready (loading, dead or stopped)."""
         if self.state is EngineState.DEAD:
             raise EngineDeadError(self.dead_reason or "The engine is not running.")
         if self.state is EngineState.STOPPED:
             raise EngineDeadError("The engine has been shut down.")
         if self.state is EngineState.LOADING:
             raise EngineNotReadyError("The model is still loading; try again shortly.")
-        # NOTE: a request is never refused by an empty queue, even one with more prompts than
-        # the bound: otherwise it could never be served, and Retry-After would loop forever.
-        queued = self.num_queued
-        if self.max_queued_requests is not None and queued and queued + num_requests > self.max_queued_requests:
-            raise QueueFullError(
-                f"The server is overloaded: {self.num_queued} requests are already waiting "
-                f"(--max-queued-requests {self.max_queued_requests}). Retry shortly."
-            )
 
-    async def add_request(self, request_id: str, prompt: PromptLike, params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: PromptLike, params: SamplingParams, *,
+                          checked: bool = False) -> RequestStream:
         """Add a request and return its output stream once the engine has accepted it.
 
         Raises the engine's `ValueError` for bad input (nothing is left behind), or the
         errors of `check_accepting`. The caller must read the stream to its end or `abort()`.
+        `checked`: the caller has already called `check_accepting` for the group of requests
+        this one belongs to, so the queue bound is not applied again to each (a multi-prompt
+        request is accepted or refused whole); the engine's state still is checked.
         """
-        self.check_accepting()
+        if checked:
+            self._check_state()
+        else:
+            self.check_accepting()
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         self._pending_adds += 1

@@ -33,7 +33,7 @@ async def start_requests(engine: AsyncEngine, base_id: str, prompts: list[Prompt
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(await engine.add_request(f"{base_id}-{i}", prompt, params))
+            streams.append(await engine.add_request(f"{base_id}-{i}", prompt, params, checked=True))
     except BaseException as exc:
         release(engine, streams)
         if isinstance(exc, ValueError):
