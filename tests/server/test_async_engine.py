@@ -33,6 +33,11 @@ def engine_factory(llm):
     assert llm.block_manager.gpu.num_free == llm.block_manager.gpu.num_blocks
 
 
+def all_free(llm) -> bool:
+    """No request left in the engine and every KV block free."""
+    return not llm.requests and llm.block_manager.gpu.num_free == llm.block_manager.gpu.num_blocks
+
+
 def run_with_engine(body, factory, **kw):
     async def main():
         engine = AsyncEngine(factory, **kw)
@@ -68,7 +73,7 @@ def test_cancelling_the_iterator_aborts_the_request(engine_factory):
         await gen.__anext__()
         await gen.aclose()
         for _ in range(200):
-            if await engine.call(lambda e: not e.requests and e.block_manager.gpu.num_free == e.block_manager.gpu.num_blocks):
+            if await engine.call(all_free):
                 return engine.num_in_flight
             await asyncio.sleep(0.01)
         raise AssertionError("request still in the engine")
@@ -146,6 +151,14 @@ def test_queue_bound(engine_factory):
         async for _ in stream:
             pass
         engine.release("waiting")
+        # A group checked whole (one multi-prompt request) is not refused prompt by prompt.
+        engine.check_accepting(3)
+        group = [await engine.add_request(f"g{i}", "Hi", SamplingParams(max_tokens=1), checked=True)
+                 for i in range(3)]
+        for stream in group:
+            async for _ in stream:
+                pass
+            engine.release(stream.request_id)
         return engine.num_queued
 
     assert run_with_engine(body, engine_factory, max_queued_requests=2) == 0

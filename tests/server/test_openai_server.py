@@ -1,5 +1,8 @@
 """The real daemon on the default model (one subprocess for the session), driven with the
-official `openai` client and httpx. Short generations throughout: it runs on 2 CPU cores."""
+official `openai` client and httpx. Short generations throughout: it runs on 2 CPU cores.
+(The session's server loads the engine through tests.server.faulty_engine, which changes
+nothing for prompts without a FAULT: marker; greedy output is checked against the offline
+engine below.)"""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import time
 import httpx
 import openai
 import pytest
+
+from tests.server.support import block_pool_is_free, wait_pool_free
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
@@ -54,19 +59,6 @@ def sse_events(text: str) -> list:
         assert frame.startswith("data: {"), frame
         events.append(json.loads(frame[len("data: "):]))
     return events
-
-
-def block_pool_is_free(url: str) -> bool:
-    m = httpx.get(url + "/kv/blocks", timeout=30).json()
-    # 0 free, 3 cached (free, holding a reusable prefix); nothing used, shared or swapped.
-    return all(s in (0, 3) for s in m["blocks"]) and not any(m["ref_counts"]) and not any(m["cpu_blocks"])
-
-
-def wait_pool_free(url: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not block_pool_is_free(url):
-        assert time.monotonic() < deadline, httpx.get(url + "/kv/blocks").json()
-        time.sleep(0.05)
 
 
 # ------------------------------------------------------------------------------ endpoints
