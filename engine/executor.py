@@ -7,10 +7,10 @@
   through the env:// rendezvous. Each call is broadcast to the workers as a small pickled
   message on a gloo group, then run by every rank; the layers' collectives do the rest.
 
-Failure model: a dead worker is fatal. Locally started workers are watched (their process
-sentinels) before every step and once a second while idle; any collective that fails or times
-out (`PAGED_SERVE_TP_TIMEOUT`, default 120 s) also marks the executor failed. From then on every
-call raises `WorkerDiedError` at once, so nothing ever waits again in a collective.
+Failure model: a dead worker is fatal. Locally started workers are watched before every step
+and once a second while idle; any collective that fails or times out (`PAGED_SERVE_TP_TIMEOUT`,
+default 120 s) also marks the executor failed. Then the other workers are stopped, the group is
+left, and every call raises `WorkerDiedError` at once: nothing ever waits again in a collective.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import weakref
 
 import torch
 import torch.multiprocessing as mp
+from multiprocessing import connection as mp_connection
 
 from engine import parallel, worker
 from engine.cache_engine import CacheEngine
@@ -122,7 +123,7 @@ class MultiProcessExecutor(Executor):
         for rank in range(1, local + 1):
             p = ctx.Process(
                 target=worker.spawned_main,
-                args=(rank, tp, init_method, config.device.type),
+                args=(rank, tp, init_method, config.device.type, local + 1),
                 name=f"tp-worker-{rank}",
                 daemon=True,
             )
@@ -275,7 +276,15 @@ class MultiProcessExecutor(Executor):
             finally:
                 self._lock.release()
 
-    def _dead_worker(self) -> WorkerDiedError | None:
+    def _dead_worker(self, wait_s: float = 0.0) -> WorkerDiedError | None:
+        """The first local worker found dead, waiting up to `wait_s` for one to end."""
+        if wait_s and self._procs:
+            ended = mp_connection.wait([p.sentinel for p in self._procs.values()], timeout=wait_s)
+            for p in self._procs.values():
+                if p.sentinel in ended:
+                    # NOTE: the sentinel closes while the process exits; join() waits until
+                    # it has, so that its exit code is known
+                    p.join(1.0)
         for rank, p in self._procs.items():
             if not p.is_alive():
                 return WorkerDiedError(
@@ -285,7 +294,8 @@ class MultiProcessExecutor(Executor):
         return None
 
     def _explain(self, e: BaseException, when: str) -> WorkerDiedError:
-        dead = self._dead_worker()
+        # NOTE: a peer's connection may reset a moment before its process is seen to end.
+        dead = self._dead_worker(wait_s=1.0 if _is_distributed_error(e) else 0.0)
         if dead is not None:
             return dead
         detail = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"

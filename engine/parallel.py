@@ -15,8 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = 120.0  # one collective (or the rendezvous) waits at most this long
-DEFAULT_START_TIMEOUT_S = 600.0  # every rank has loaded its shard within this long
+DEFAULT_TIMEOUT_S = 120.0  # one collective waits at most this long
+DEFAULT_START_TIMEOUT_S = 600.0  # all ranks have met, and loaded their shards, within this long
 
 
 def world_size() -> int:
@@ -59,17 +59,30 @@ def backend_for(device: torch.device) -> str:
 
 def init(rank: int, world_size: int, init_method: str, device: torch.device) -> dist.ProcessGroup:
     """Join the tensor-parallel group (blocks until all `world_size` ranks have joined, at most
-    `timeout_s()`); returns the gloo control group."""
+    `start_timeout_s()`); returns the gloo control group."""
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process")
     timeout = datetime.timedelta(seconds=timeout_s())
     backend = backend_for(device)
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    # NOTE: our own store, so that meeting (workers still starting up) may take the start-up
+    # limit while every collective afterwards keeps the short one.
+    host, port = _address(init_method)
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, wait_for_workers=True,
+                          timeout=datetime.timedelta(seconds=start_timeout_s()))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     if backend == "gloo":
         return dist.group.WORLD
     return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def _address(init_method: str) -> tuple[str, int]:
+    """(host, port) of the rendezvous: "tcp://host:port", or "env://" (MASTER_ADDR, MASTER_PORT)."""
+    if init_method == "env://":
+        return os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 29500))
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    return host, int(port)
 
 
 def destroy() -> None:

@@ -81,11 +81,11 @@ def run_worker(rank: int, world_size: int, init_method: str, device_type: str, l
         parallel.destroy()
 
 
-def spawned_main(rank: int, world_size: int, init_method: str, device_type: str) -> None:
-    """Entry point of a worker process that the daemon started on its own machine."""
+def spawned_main(rank: int, world_size: int, init_method: str, device_type: str, local_world_size: int) -> None:
+    """Entry point of a worker process that the daemon (local rank 0) started on its machine."""
     _setup_logging()
     try:
-        run_worker(rank, world_size, init_method, device_type, local_rank=rank, local_world_size=world_size)
+        run_worker(rank, world_size, init_method, device_type, local_rank=rank, local_world_size=local_world_size)
     except BaseException:
         logger.exception("tensor-parallel worker %d failed", rank)
         sys.exit(1)

@@ -190,7 +190,7 @@ def test_killing_a_replica_costs_only_its_in_flight_requests(replicas):
     answering = threading.Semaphore(0)  # released once per stream, when its response began
 
     def stream(i: int) -> tuple[int | None, bool]:
-        body = {"model": MODEL, "prompt": f"Story number {i}:", "max_tokens": 64, "temperature": 0,
+        body = {"model": MODEL, "prompt": f"Story number {i}:", "max_tokens": 40, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         upstream, done, released = None, False, False
         try:

@@ -176,7 +176,7 @@ def test_worker_dying_while_idle_is_noticed_without_a_step():
 
 @pytest.mark.timeout(90)
 def test_hung_worker_fails_the_step_after_the_timeout(monkeypatch):
-    monkeypatch.setenv("PAGED_SERVE_TP_TIMEOUT", "4")
+    monkeypatch.setenv("PAGED_SERVE_TP_TIMEOUT", "3")
     with tp_llm(**TINY, tensor_parallel_size=2) as llm:
         engine = llm.engine
         _start_long_requests(engine)
