@@ -123,7 +123,7 @@ class MultiProcessExecutor(Executor):
         for rank in range(1, local + 1):
             p = ctx.Process(
                 target=worker.spawned_main,
-                args=(rank, tp, init_method, config.device.type, local + 1),
+                args=(rank, tp, init_method, config.device.type, local + 1, logging.getLogger().getEffectiveLevel()),
                 name=f"tp-worker-{rank}",
                 daemon=True,
             )

@@ -81,9 +81,11 @@ def run_worker(rank: int, world_size: int, init_method: str, device_type: str, l
         parallel.destroy()
 
 
-def spawned_main(rank: int, world_size: int, init_method: str, device_type: str, local_world_size: int) -> None:
-    """Entry point of a worker process that the daemon (local rank 0) started on its machine."""
-    _setup_logging()
+def spawned_main(rank: int, world_size: int, init_method: str, device_type: str, local_world_size: int,
+                 log_level: int = logging.INFO) -> None:
+    """Entry point of a worker process that the daemon (local rank 0) started on its machine;
+    it logs at the daemon's level."""
+    _setup_logging(log_level)
     try:
         run_worker(rank, world_size, init_method, device_type, local_rank=rank, local_world_size=local_world_size)
     except BaseException:
@@ -91,8 +93,8 @@ def spawned_main(rank: int, world_size: int, init_method: str, device_type: str,
         sys.exit(1)
 
 
-def _setup_logging() -> None:
-    logging.basicConfig(level=os.environ.get("PAGED_SERVE_LOG_LEVEL", "INFO").upper(),
+def _setup_logging(level: int | str | None = None) -> None:
+    logging.basicConfig(level=level or os.environ.get("PAGED_SERVE_LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s [tp-worker pid {os.getpid()}] %(name)s: %(message)s")
 
 
