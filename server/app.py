@@ -63,7 +63,9 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
     # Middleware: the last added is the outermost (CORS, then auth, then the body limit).
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key:
-        open_paths = ("/health",) + (ops.OPS_PATHS if settings.metrics_public else ())
+        # NOTE: /dashboard is a static page with no data (it asks for a key and sends it to the
+        # guarded /kv/blocks); a browser cannot send a Bearer header when it opens a page.
+        open_paths = ("/health", "/dashboard") + (ops.OPS_PATHS if settings.metrics_public else ())
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),

@@ -58,6 +58,10 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM's beam search extras: the beam width is best_of (or n).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
 
 
 PromptInput = Union[str, list[str], list[int], list[list[int]]]

@@ -66,6 +66,13 @@ def _common_checks(req: _SamplingFields, settings: ServerSettings, vocab_size: i
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
     )
+    if req.use_beam_search:
+        if req.stream:
+            raise bad_request("use_beam_search does not support streaming.", param="stream")
+        if req.temperature not in (None, 0):
+            raise bad_request("use_beam_search requires temperature 0.", param="temperature")
+        kwargs.update(use_beam_search=True, length_penalty=req.length_penalty,
+                      early_stopping=req.early_stopping, temperature=0.0)
     optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=top_k, min_p=req.min_p,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                     repetition_penalty=req.repetition_penalty)

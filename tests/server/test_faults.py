@@ -136,6 +136,8 @@ def test_api_key_flag_guards_metrics_unless_public():
         assert_error(client.get(path), 401)
         assert client.get(path, headers={"Authorization": "Bearer sekret"}).status_code != 401
     assert client.get("/health").status_code == 503  # open, and says the engine is not ready
+    page = client.get("/dashboard")  # a page without data: it asks for the key itself
+    assert page.status_code == 200 and "kv/blocks" in page.text
 
 
 def test_cors_preflight(guarded):

@@ -211,6 +211,26 @@ def test_n_and_best_of(client, model):
     assert multi.choices[0].text == multi.choices[1].text  # greedy: both choices of a prompt agree
 
 
+def test_beam_search_equals_offline_engine(client, model):
+    """vLLM's extra fields reach the engine's beam search; HTTP and offline agree."""
+    import torch
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    extra = {"use_beam_search": True, "length_penalty": 0.8, "early_stopping": True}
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, n=2, best_of=3,
+                                    temperature=0, extra_body=extra)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    torch.set_num_threads(1)
+    llm = LLM(max_model_len=256, kv_cache_memory="32MiB")
+    want = llm.generate(PROMPT, SamplingParams(n=2, best_of=3, temperature=0, max_tokens=6, **extra))[0]
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [o.text for o in want.outputs]
+    bad = client.completions.with_raw_response.create
+    with pytest.raises(openai.BadRequestError):
+        bad(model=model, prompt=PROMPT, max_tokens=4, n=2, temperature=0.7, extra_body=extra)
+
+
 def test_stream_framing_usage_and_indexes(url):
     body = {"messages": MESSAGES, "max_tokens": 4, "n": 2, "temperature": 0.7, "stream": True,
             "stream_options": {"include_usage": True}}
