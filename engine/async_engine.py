@@ -390,6 +390,13 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001
             logger.exception("The engine loop died")
             self._die(f"The engine loop died: {exc!r}")
+        finally:
+            stop = getattr(self.engine, "shutdown", None)
+            if stop is not None:
+                try:
+                    stop()  # tensor-parallel workers get a clean stop message
+                except Exception:  # noqa: BLE001 - already shutting down
+                    logger.exception("engine shutdown failed")
 
     def _die(self, reason: str) -> None:
         self.dead_reason = reason
@@ -407,13 +414,17 @@ class AsyncEngine:
             if not self.engine.has_unfinished_requests():
                 if self._stats_stale:
                     self._refresh_idle_stats()
+                check = getattr(self.engine, "check_health", None)
+                if check is not None:
+                    check()  # a dead tensor-parallel worker ends the loop even while idle
                 self._wakeup.wait(_IDLE_WAIT_S)
                 continue
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - isolated below
                 failures += 1
-                if failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
+                # NOTE: an error marked fatal (a dead tensor-parallel worker) cannot be retried.
+                if getattr(exc, "fatal", False) or failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
                     raise
                 self._isolate_step_failure(exc)
                 continue
