@@ -10,7 +10,9 @@ import pytest
 from tests.observability.obs_support import LIVE_FLAGS, LiveServer, chromium_path
 
 
-@pytest.fixture(scope="session")
+# NOTE: module scope, not session: while Playwright's sync API is open it keeps an event loop
+# running on this thread, and every later test that calls asyncio.run() would fail.
+@pytest.fixture(scope="module")
 def browser():
     """A headless Chromium driven by Python playwright; skips when either is missing."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
