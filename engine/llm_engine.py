@@ -175,7 +175,7 @@ class LLMEngine:
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
         ttfts, itls = self._process_samples(sched, logits, now)
-        finished = self.scheduler.free_finished()
+        self.scheduler.free_finished()
         touched = {id(s.group): s.group for s in sched.scheduled}
         # requests the scheduler dropped (can never fit) are finished too
         for rid, group in list(self.requests.items()):

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from tests.engine.conftest import get_llm
 from tests.engine.prompts import CASES, prompt_of_length
 
 NEAR_TIE = 1e-4

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import ServerProcess, free_port, start_server, wait_for_health
+from tests.server.conftest import free_port, start_server, wait_for_health
 
 FLAGS = ["--max-model-len", "512", "--kv-cache-memory", "32MiB", "--swap-space", "0.02",
          "--max-num-seqs", "8", "--log-level", "warning", "--disable-uvicorn-access-log"]
