@@ -160,10 +160,16 @@ class BlockManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
+    def _looks_up_cache(self, group: SequenceGroup) -> bool:
+        """Whether the group's prompt may be served from the prefix cache. A request that asks
+        for prompt logprobs needs logits for every prompt row, so it computes its whole prompt
+        (it still publishes its full blocks for others)."""
+        return self.enable_prefix_caching and group.params.prompt_logprobs is None
+
     def allocate(self, group: SequenceGroup) -> None:
         """Give each waiting sequence a block table covering its tokens, reusing cached prefix
-        blocks when prefix caching is on, and set `num_computed_tokens` to the reused length.
-        Assumes `can_allocate` said OK."""
+        blocks when prefix caching is on (not for prompt-logprob requests), and set
+        `num_computed_tokens` to the reused length. Assumes `can_allocate` said OK."""
         seqs = group.seqs_with_status(SequenceStatus.WAITING)
         n_shared = self._num_shared_prompt_blocks(group, seqs)
         first: list[Block] = []
@@ -177,7 +183,7 @@ class BlockManager:
                 table = first[:n_shared]
                 for b in table:
                     b.ref_count += 1
-            elif self.enable_prefix_caching:
+            elif self._looks_up_cache(group):
                 self.prefix_queries += len(seq)
                 for h, toks in hashes:
                     block = self.gpu.claim_cached(h, toks)

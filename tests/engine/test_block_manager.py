@@ -14,9 +14,9 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceGroup, SequenceStatus
 
 
-def make_group(n_tokens: int, rid: str = "r", first_token: int = 0, salt=None) -> SequenceGroup:
+def make_group(n_tokens: int, rid: str = "r", first_token: int = 0, salt=None, **params) -> SequenceGroup:
     ids = [(first_token + i) % 1000 for i in range(n_tokens)]
-    return SequenceGroup(rid, None, ids, SamplingParams(max_tokens=None, cache_salt=salt))
+    return SequenceGroup(rid, None, ids, SamplingParams(max_tokens=None, cache_salt=salt, **params))
 
 
 def admit(bm: BlockManager, group: SequenceGroup) -> None:
@@ -142,6 +142,36 @@ def test_cache_salt_separates_tenants():
     assert not set(bm.block_table(a.seqs[0])) & set(bm.block_table(b.seqs[0]))
     bm.free(a.seqs[0])
     bm.free(b.seqs[0])
+
+
+def test_prompt_logprobs_request_computes_its_whole_prompt_but_publishes_its_blocks():
+    """Prompt logprobs need logits for every prompt row: no cache hit, no query counted; the
+    request's full blocks still go to the cache for the requests after it."""
+    bm = BlockManager(8, 0, 4, enable_prefix_caching=True)
+    a = make_group(9, "a")
+    admit(bm, a)  # blocks 0, 1 (full, hashed), 2
+    p = make_group(9, "p", prompt_logprobs=0)  # the same prompt
+    assert bm.can_allocate(p) is AllocStatus.OK
+    bm.allocate(p)
+    assert p.seqs[0].num_computed_tokens == 0
+    assert bm.block_table(p.seqs[0]) == [3, 4, 5]
+    assert (bm.prefix_queries, bm.prefix_hits) == (9, 0)  # a's lookup only
+    bm.free(a.seqs[0])
+    bm.free(p.seqs[0])
+    bm.check_integrity()
+    # With an empty cache, a prompt-logprob request's blocks are what the next request reuses.
+    bm = BlockManager(8, 0, 4, enable_prefix_caching=True)
+    p = make_group(9, "p", prompt_logprobs=2)
+    admit(bm, p)
+    assert bm.block_table(p.seqs[0]) == [0, 1, 2]
+    bm.free(p.seqs[0])
+    b = make_group(9, "b")
+    bm.allocate(b)
+    assert bm.block_table(b.seqs[0]) == [0, 1, 3]
+    assert b.seqs[0].num_computed_tokens == 8
+    assert (bm.prefix_queries, bm.prefix_hits) == (9, 8)
+    bm.free(b.seqs[0])
+    bm.check_integrity()
 
 
 def test_swap_keeps_sharing_inside_a_group():
