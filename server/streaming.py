@@ -1,13 +1,20 @@
-"""Server-sent events: `data: {json}\n\n` frames, the closing `data: [DONE]`, and an error
-frame for a stream that fails after its headers went out."""
+"""Server-sent events: `data: {json}\n\n` frames, the closing `data: [DONE]`, an error frame for
+a stream that fails after its headers went out, and `sse_body`, the ending every streaming route
+shares."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator, Callable
 
 from pydantic import BaseModel
 
-from server.errors import OpenAIError
+from engine.async_engine import RequestStream
+from server.context import ServerContext
+from server.errors import OpenAIError, from_engine_error
+from server.generation import DeltaTracker, release
+from server.protocol import UsageInfo
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -20,3 +27,30 @@ def sse(chunk: BaseModel, *, include_usage: bool) -> str:
 
 def sse_error(error: OpenAIError) -> str:
     return f"data: {json.dumps(error.body())}\n\n"
+
+
+async def sse_body(ctx: ServerContext, streams: list[RequestStream], chunks: AsyncIterator[str],
+                   tracker: DeltaTracker, usage_chunk: Callable[[UsageInfo], str] | None) -> AsyncIterator[str]:
+    """A streaming response's body: the route's choice `chunks` (SSE frames read from `streams`
+    through `tracker`), then, if `usage_chunk` is given, the frame it makes of the usage counted by
+    `tracker` once `chunks` is exhausted, then `data: [DONE]`.
+
+    A failure after the headers went out becomes an in-band error frame and `[DONE]`; a client
+    disconnect (cancellation) is counted and re-raised. `streams` are released on every path."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+        if usage_chunk is not None:
+            prompt_tokens, completion_tokens = tracker.usage()
+            yield usage_chunk(UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                        total_tokens=prompt_tokens + completion_tokens))
+        yield DONE
+    except asyncio.CancelledError:
+        ctx.client_disconnected()
+        raise
+    except Exception as exc:  # noqa: BLE001 - headers are out: report in-band
+        error = exc if isinstance(exc, OpenAIError) else from_engine_error(exc, in_flight=True)
+        yield sse_error(error)
+        yield DONE
+    finally:
+        release(ctx.engine, streams)

@@ -31,7 +31,7 @@ from server.protocol import (
 )
 from server.routes.common import require_ready
 from server.sampling import chat_params
-from server.streaming import DONE, SSE_HEADERS, sse, sse_error
+from server.streaming import SSE_HEADERS, sse, sse_body
 
 router = APIRouter()
 
@@ -103,8 +103,8 @@ async def _full(ctx: ServerContext, params: SamplingParams, request_id: str, mod
         release(ctx.engine, streams)
 
 
-async def _stream(ctx: ServerContext, params: SamplingParams, request_id: str, model: str,
-                  streams: list[RequestStream], top_n: int, include_usage: bool) -> AsyncIterator[str]:
+def _stream(ctx: ServerContext, params: SamplingParams, request_id: str, model: str,
+            streams: list[RequestStream], top_n: int, include_usage: bool) -> AsyncIterator[str]:
     created = now()
     tracker = DeltaTracker(params.n)
 
@@ -112,7 +112,7 @@ async def _stream(ctx: ServerContext, params: SamplingParams, request_id: str, m
         return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
                                                 usage=usage), include_usage=include_usage)
 
-    try:
+    async def choice_chunks() -> AsyncIterator[str]:
         async for p, output in merged(streams):
             choices = []
             for delta in tracker.deltas(p, output):
@@ -125,17 +125,6 @@ async def _stream(ctx: ServerContext, params: SamplingParams, request_id: str, m
                                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
             if choices:
                 yield chunk(choices)
-        if include_usage:
-            prompt_tokens, completion_tokens = tracker.usage()
-            yield chunk([], UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                      total_tokens=prompt_tokens + completion_tokens))
-        yield DONE
-    except asyncio.CancelledError:
-        ctx.client_disconnected()
-        raise
-    except Exception as exc:  # noqa: BLE001 - headers are out: report in-band
-        error = exc if isinstance(exc, OpenAIError) else from_engine_error(exc, in_flight=True)
-        yield sse_error(error)
-        yield DONE
-    finally:
-        release(ctx.engine, streams)
+
+    usage_chunk = (lambda usage: chunk([], usage)) if include_usage else None
+    return sse_body(ctx, streams, choice_chunks(), tracker, usage_chunk)

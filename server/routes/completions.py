@@ -28,7 +28,7 @@ from server.protocol import (
 )
 from server.routes.common import require_ready
 from server.sampling import completion_params
-from server.streaming import DONE, SSE_HEADERS, sse, sse_error
+from server.streaming import SSE_HEADERS, sse, sse_body
 
 router = APIRouter()
 
@@ -132,9 +132,9 @@ async def _full(ctx: ServerContext, req: CompletionRequest, params: SamplingPara
         release(ctx.engine, streams)
 
 
-async def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingParams, request_id: str,
-                  model: str, streams: list[RequestStream], echo_texts: list[str] | None,
-                  include_usage: bool) -> AsyncIterator[str]:
+def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingParams, request_id: str,
+            model: str, streams: list[RequestStream], echo_texts: list[str] | None,
+            include_usage: bool) -> AsyncIterator[str]:
     created = now()
     tracker = DeltaTracker(params.n)
     offsets: dict[int, int] = {}
@@ -143,7 +143,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingPa
         return sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
                                             usage=usage), include_usage=include_usage)
 
-    try:
+    async def choice_chunks() -> AsyncIterator[str]:
         async for p, output in merged(streams):
             choices = []
             for delta in tracker.deltas(p, output):
@@ -156,17 +156,6 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingPa
                                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
             if choices:
                 yield chunk(choices)
-        if include_usage:
-            prompt_tokens, completion_tokens = tracker.usage()
-            yield chunk([], UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                      total_tokens=prompt_tokens + completion_tokens))
-        yield DONE
-    except asyncio.CancelledError:
-        ctx.client_disconnected()
-        raise
-    except Exception as exc:  # noqa: BLE001 - headers are out: report in-band
-        error = exc if isinstance(exc, OpenAIError) else from_engine_error(exc, in_flight=True)
-        yield sse_error(error)
-        yield DONE
-    finally:
-        release(ctx.engine, streams)
+
+    usage_chunk = (lambda usage: chunk([], usage)) if include_usage else None
+    return sse_body(ctx, streams, choice_chunks(), tracker, usage_chunk)
