@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -64,18 +65,22 @@ class BlockPool:
         block.ref_count = 1
         return block
 
-    def claim_cached(self, h: int, token_ids: tuple[int, ...]) -> Block | None:
-        """Take a reference on the block cached under hash `h` if its tokens match."""
+    def lookup(self, h: int, token_ids: tuple[int, ...]) -> Block | None:
+        """The block registered under hash `h` if its tokens match, live (referenced) or
+        cached; None on a miss. Mutates nothing."""
         block_id = self.by_hash.get(h)
         if block_id is None:
             return None
         block = self.blocks[block_id]
         if block.token_ids != token_ids:  # a hash collision: treat as a miss
             return None
-        if block.ref_count == 0:
-            del self.cached[block_id]
-        block.ref_count += 1
         return block
+
+    def claim(self, block: Block) -> None:
+        """Take a reference on a block found by `lookup` (a cached one leaves the cached set)."""
+        if block.ref_count == 0:
+            del self.cached[block.block_id]
+        block.ref_count += 1
 
     def set_hash(self, block: Block, h: int, token_ids: tuple[int, ...]) -> None:
         if block.hash is not None or h in self.by_hash:
@@ -97,6 +102,15 @@ class AllocStatus(enum.Enum):
     OK = "ok"  # fits now
     LATER = "later"  # fits once other sequences free blocks
     NEVER = "never"  # larger than the whole pool
+
+
+@dataclass
+class _Admission:
+    """What admitting a group's waiting sequences takes (see `BlockManager._admission`)."""
+
+    num_blocks: int  # distinct blocks in their tables, cached or not
+    num_free_needed: int  # blocks taken from the free pool (free or evictable cached)
+    num_new_tokens: int  # tokens computed at admission (the uncached tails)
 
 
 class BlockManager:
@@ -149,16 +163,62 @@ class BlockManager:
             return 0
         return min([len(group.prompt_token_ids) // self.block_size] + [(len(s) - 1) // self.block_size for s in seqs])
 
-    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        """Whether the group's waiting sequences can get device blocks for all their tokens."""
+    def _cache_hits(self, group: SequenceGroup, seq: Sequence) -> list[Block]:
+        """The sequence's leading full blocks found in the device prefix cache, up to the first
+        miss; empty when the group does not look up the cache. Mutates nothing."""
+        hits: list[Block] = []
+        if not self._looks_up_cache(group):
+            return hits
+        for h, toks in self._full_block_hashes(seq.token_ids, group.params.cache_salt):
+            block = self.gpu.lookup(h, toks)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _num_reused(self, seq: Sequence, hits: list[Block]) -> int:
+        """How many of the hits the sequence reuses.
+        NOTE: keep at least one token to compute, so the step yields logits."""
+        return min(len(hits), (len(seq) - 1) // self.block_size)
+
+    def _admission(self, group: SequenceGroup) -> _Admission:
+        """What admitting the group's waiting sequences now would take, as `allocate` does it.
+        Mutates nothing."""
         seqs = group.seqs_with_status(SequenceStatus.WAITING)
-        needed = sum(self.num_blocks_for(self._tokens_to_allocate(s)) for s in seqs)
-        needed -= (len(seqs) - 1) * self._num_shared_prompt_blocks(group, seqs) if seqs else 0
-        if needed > self.gpu.num_blocks - self.watermark_blocks:
+        n_shared = self._num_shared_prompt_blocks(group, seqs)
+        cost = _Admission(0, 0, 0)
+        for idx, seq in enumerate(seqs):
+            n_blocks = self.num_blocks_for(self._tokens_to_allocate(seq))
+            if idx > 0 and n_shared:
+                reused = live = n_shared  # references on the first sequence's blocks
+            elif idx == 0:
+                hits = self._cache_hits(group, seq)
+                reused = self._num_reused(seq, hits)
+                live = sum(1 for b in hits[:reused] if b.ref_count > 0)  # claimed, not taken
+            else:
+                # NOTE: the first sequence's allocation may evict what this one would find
+                # now, so count no hits: an upper bound on its blocks and tokens.
+                reused = live = 0
+            cost.num_blocks += n_blocks - (reused if idx > 0 else 0)
+            cost.num_free_needed += n_blocks - live
+            cost.num_new_tokens += len(seq) - reused * self.block_size
+        return cost
+
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        """Whether the group's waiting sequences can get device blocks for all their tokens.
+        Prefix-cache hits on blocks that are in use (live) take no free block."""
+        cost = self._admission(group)
+        if cost.num_blocks > self.gpu.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        if needed <= self.gpu.num_free - self.watermark_blocks:
+        if cost.num_free_needed <= self.gpu.num_free - self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
+
+    def num_tokens_to_compute(self, group: SequenceGroup) -> int:
+        """Tokens the group's waiting sequences would compute if allocated now: their lengths
+        less what the prefix cache (or a sibling sharing the prompt) serves; after `allocate`,
+        the sum of their `num_uncomputed_tokens` (at most this). Mutates nothing."""
+        return self._admission(group).num_new_tokens
 
     def _looks_up_cache(self, group: SequenceGroup) -> bool:
         """Whether the group's prompt may be served from the prefix cache. A request that asks
@@ -185,14 +245,12 @@ class BlockManager:
                     b.ref_count += 1
             elif self._looks_up_cache(group):
                 self.prefix_queries += len(seq)
-                for h, toks in hashes:
-                    block = self.gpu.claim_cached(h, toks)
-                    if block is None:
-                        break
-                    table.append(block)
-                # NOTE: keep at least one token to compute, so the step yields logits.
-                if len(table) * self.block_size >= len(seq):
-                    self.gpu.release(table.pop())
+                hits = self._cache_hits(group, seq)
+                for b in hits:
+                    self.gpu.claim(b)
+                table = hits[: self._num_reused(seq, hits)]
+                for b in hits[len(table) :]:  # all of it cached: the last block is recomputed
+                    self.gpu.release(b)  # (if unreferenced, it is cached again, most recent)
                 self.prefix_hits += len(table) * self.block_size
             seq.num_computed_tokens = len(table) * self.block_size
             while len(table) < self.num_blocks_for(self._tokens_to_allocate(seq)):

@@ -3,7 +3,8 @@
 Each step: (1) every running request gets a slot for its next token, preempting the newest
 running requests when blocks run out; (2) if nothing was preempted, swapped requests come back,
 oldest first; (3) if nothing is still swapped out, waiting requests are admitted first come,
-first served, within the sequence and token budgets. Requests join and leave at every step.
+first served, within the sequence and token budgets (a prompt is charged for the tokens it
+computes this step, not for those the prefix cache serves). Requests join and leave at every step.
 
 Preemption policy (victim in `_pick_victim`, mode in `_preempt`): when a running request needs a
 block and none is free, the victim is the latest-arriving request among those not yet given a
@@ -159,7 +160,9 @@ class Scheduler:
             while self.waiting:
                 group = self.waiting[0]
                 seqs = group.seqs_with_status(SequenceStatus.WAITING)
-                num_tokens = sum(len(s) for s in seqs)
+                # NOTE: the token budget is charged for what this step computes: a prompt's
+                # prefix-cache hits cost nothing.
+                num_tokens = self.block_manager.num_tokens_to_compute(group)
                 if len(seqs) > budget_seqs or num_tokens > budget_tokens:
                     break
                 status = self.block_manager.can_allocate(group)

@@ -152,6 +152,7 @@ def test_prompt_logprobs_request_computes_its_whole_prompt_but_publishes_its_blo
     admit(bm, a)  # blocks 0, 1 (full, hashed), 2
     p = make_group(9, "p", prompt_logprobs=0)  # the same prompt
     assert bm.can_allocate(p) is AllocStatus.OK
+    assert bm.num_tokens_to_compute(p) == 9
     bm.allocate(p)
     assert p.seqs[0].num_computed_tokens == 0
     assert bm.block_table(p.seqs[0]) == [3, 4, 5]
@@ -170,6 +171,63 @@ def test_prompt_logprobs_request_computes_its_whole_prompt_but_publishes_its_blo
     assert bm.block_table(b.seqs[0]) == [0, 1, 3]
     assert b.seqs[0].num_computed_tokens == 8
     assert (bm.prefix_queries, bm.prefix_hits) == (9, 8)
+    bm.free(b.seqs[0])
+    bm.check_integrity()
+
+
+def pool_state(bm: BlockManager):
+    return list(bm.gpu.free), list(bm.gpu.cached), dict(bm.gpu.by_hash), [b.ref_count for b in bm.gpu.blocks]
+
+
+def test_cached_prefix_hits_cost_no_tokens_and_live_ones_no_free_block():
+    """The admission queries mutate nothing and agree with allocate: hits on blocks in use take
+    no free block, hits on cached (unreferenced) blocks take one each, and only the uncached
+    tail counts as tokens to compute."""
+    bm = BlockManager(4, 0, 4, enable_prefix_caching=True)
+    a = make_group(9, "a")
+    admit(bm, a)  # blocks 0, 1 (full, hashed), 2; block 3 free
+    b = make_group(9, "b")  # the same prompt, while a runs
+    before = pool_state(bm)
+    assert bm.num_tokens_to_compute(b) == 1
+    assert bm.can_allocate(b) is AllocStatus.OK  # 0 and 1 are shared: needs 1 block, not 3
+    assert pool_state(bm) == before
+    bm.allocate(b)
+    assert bm.block_table(b.seqs[0]) == [0, 1, 3]
+    assert b.seqs[0].num_uncomputed_tokens == 1
+    assert bm.can_allocate(make_group(9, "c")) is AllocStatus.LATER  # shares 0, 1; no block left
+    bm.free(a.seqs[0])
+    bm.free(b.seqs[0])
+    bm.check_integrity()
+    assert (list(bm.gpu.free), list(bm.gpu.cached)) == ([2, 3], [1, 0])
+
+    x = make_group(7, "x", first_token=500)  # takes the 2 free blocks: 2 (full), 3
+    admit(bm, x)
+    assert bm.block_table(x.seqs[0]) == [2, 3]
+    d = make_group(9, "d")  # hits cached 0 and 1 (unreferenced): each takes a pool block
+    before = pool_state(bm)
+    assert bm.num_tokens_to_compute(d) == 1
+    assert bm.can_allocate(d) is AllocStatus.LATER  # 3 blocks from a pool of 2
+    assert bm.can_allocate(make_group(8, "e")) is AllocStatus.OK  # 0 reused, 1 recomputed: 2
+    assert pool_state(bm) == before
+    bm.free(x.seqs[0])
+    assert bm.can_allocate(d) is AllocStatus.OK
+    bm.allocate(d)
+    assert bm.block_table(d.seqs[0]) == [0, 1, 3]
+    assert d.seqs[0].num_uncomputed_tokens == 1
+    bm.free(d.seqs[0])
+    bm.check_integrity()
+
+
+def test_whole_cached_prompt_counts_its_last_block_as_tokens_to_compute():
+    bm = BlockManager(6, 0, 4, enable_prefix_caching=True)
+    a = make_group(8, "a")
+    admit(bm, a)
+    b = make_group(8, "b")
+    assert bm.num_tokens_to_compute(b) == 4
+    bm.allocate(b)
+    assert b.seqs[0].num_uncomputed_tokens == 4
+    assert bm.block_table(b.seqs[0]) == [0, 2]
+    bm.free(a.seqs[0])
     bm.free(b.seqs[0])
     bm.check_integrity()
 
@@ -201,6 +259,24 @@ def test_swap_keeps_sharing_inside_a_group():
     assert bm.all_free()
 
 
+def admit_checked(bm: BlockManager, g: SequenceGroup) -> None:
+    """Admit a group that can_allocate accepted; the admission estimates must bound (and, for
+    a group of one sequence, equal) what allocate takes."""
+    seqs = g.seqs_with_status(SequenceStatus.WAITING)
+    free_before, tokens = bm.num_free_gpu_blocks, bm.num_tokens_to_compute(g)
+    needed = bm._admission(g).num_free_needed
+    bm.allocate(g)
+    computed = sum(s.num_uncomputed_tokens for s in seqs)
+    taken = free_before - bm.num_free_gpu_blocks
+    if len(seqs) == 1:
+        assert (computed, taken) == (tokens, needed)
+    else:
+        assert computed <= tokens and taken <= needed
+    for s in seqs:
+        s.status = SequenceStatus.RUNNING
+        s.num_computed_tokens = len(s)
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 2, 4, 16]),
        prefix=st.booleans())
@@ -216,7 +292,7 @@ def test_random_walk_keeps_invariants(seed, block_size, prefix):
         if op < 0.25:
             g = make_group(rng.randint(1, 40), f"g{step}", first_token=rng.choice([0, 0, step]))
             if bm.can_allocate(g) is AllocStatus.OK:
-                admit(bm, g)
+                admit_checked(bm, g)
                 live.append(g)
         elif op < 0.6 and live:
             g = rng.choice(live)
@@ -249,7 +325,19 @@ def test_random_walk_keeps_invariants(seed, block_size, prefix):
                 g.set_status(SequenceStatus.SWAPPED)
                 live.remove(g)
                 swapped.append(g)
-        elif op < 0.88 and swapped:
+        elif op < 0.84 and live:  # recompute preemption: freed, prefilled again (forks too)
+            g = rng.choice(live)
+            live.remove(g)
+            for seq in g.unfinished_seqs:
+                bm.free(seq)
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING
+            if bm.can_allocate(g) is AllocStatus.OK:
+                admit_checked(bm, g)
+                live.append(g)
+            else:
+                g.set_status(SequenceStatus.FINISHED_ABORTED)
+        elif op < 0.9 and swapped:
             g = swapped[0]
             if bm.can_swap_in(g):
                 bm.swap_in(g)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 
 from engine.block_manager import BlockManager
@@ -12,13 +14,14 @@ from engine.sequence import SequenceGroup, SequenceStatus
 
 
 def make_scheduler(num_blocks=64, cpu_blocks=64, block_size=4, max_seqs=8, max_tokens=64,
-                   mode="swap", max_preemptions=8) -> Scheduler:
+                   mode="swap", max_preemptions=8, prefix_caching=False) -> Scheduler:
     cfg = SchedulerConfig(max_seqs, max_tokens, 64, mode, max_preemptions)
-    return Scheduler(cfg, BlockManager(num_blocks, cpu_blocks, block_size))
+    return Scheduler(cfg, BlockManager(num_blocks, cpu_blocks, block_size, enable_prefix_caching=prefix_caching))
 
 
-def group(rid: str, n_tokens: int, max_tokens: int = 4, t: float = 0.0) -> SequenceGroup:
-    g = SequenceGroup(rid, None, list(range(1, n_tokens + 1)), SamplingParams(max_tokens=max_tokens), t)
+def group(rid: str, n_tokens: int, max_tokens: int = 4, t: float = 0.0, first: int = 1, **params) -> SequenceGroup:
+    ids = list(range(first, first + n_tokens))
+    g = SequenceGroup(rid, None, ids, SamplingParams(max_tokens=max_tokens, **params), t)
     g.max_tokens = max_tokens
     return g
 
@@ -167,3 +170,43 @@ def test_preemption_bound_moves_preemptions_to_others(mode):
         assert sched.block_manager.all_free()
     assert max(counts[100]) > 2  # newest-first alone preempts one request three times
     assert max(counts[2]) <= 2
+
+
+@pytest.mark.parametrize("prompt_logprobs", [None, 0])
+def test_admission_charges_the_token_budget_only_for_uncached_tokens(prompt_logprobs):
+    """Budget 32 tokens. After a 16-token prompt, a 28-token prompt whose first 24 tokens are
+    cached costs 4, so a 12-token prompt joins them in the same step. A prompt-logprob request
+    computes its whole prompt, so it is charged all 28 and waits with the one behind it."""
+    sched = make_scheduler(block_size=4, max_tokens=32, prefix_caching=True)
+    sched.add(group("warm", 24, max_tokens=1, t=0))
+    out, finished = fake_step(sched)
+    assert [g.request_id for g in finished] == ["warm"]  # its 6 full prompt blocks stay cached
+    sched.add(group("x", 16, max_tokens=1, t=1, first=500))
+    sched.add(group("long", 28, max_tokens=1, t=2, prompt_logprobs=prompt_logprobs))
+    sched.add(group("y", 12, max_tokens=1, t=3, first=600))
+    assert sched.block_manager.num_tokens_to_compute(sched.waiting[1]) == (4 if prompt_logprobs is None else 28)
+    out, _ = fake_step(sched)
+    got = [(s.group.request_id, s.num_tokens) for s in out.scheduled]
+    if prompt_logprobs is None:
+        assert got == [("x", 16), ("long", 4), ("y", 12)]
+        assert out.num_batched_tokens == 32
+        assert sched.waiting == deque()
+    else:
+        assert got == [("x", 16)]  # 16 + 28 > 32
+        assert [g.request_id for g in sched.waiting] == ["long", "y"]
+    run_to_completion(sched)
+    assert sched.block_manager.num_free_gpu_blocks == 64
+
+
+def test_admission_of_a_cached_prompt_shares_live_blocks():
+    """A prompt whose full blocks are in use by a running request takes only its tail from the
+    free pool: with 1 block free, a second copy of a running 9-token prompt is admitted and
+    computes 1 token; before, it waited for 3 free blocks."""
+    sched = make_scheduler(num_blocks=4, block_size=4, max_tokens=64, prefix_caching=True)
+    sched.add(group("a", 9, max_tokens=3, t=0))  # blocks 0, 1 (full), 2
+    fake_step(sched)
+    sched.add(group("b", 9, max_tokens=3, t=1))
+    out, _ = fake_step(sched)
+    got = [(s.group.request_id, s.num_tokens, s.block_table) for s in out.scheduled]
+    assert got == [("b", 1, [0, 1, 3]), ("a", 1, [0, 1, 2])]
+    assert sched.block_manager.num_free_gpu_blocks == 0
