@@ -18,6 +18,8 @@ Failures:
   one that names none fails every request in flight (we cannot tell which one was at fault) and
   the loop carries on. If the loop itself breaks (or steps keep failing), the engine is dead:
   every stream fails with `EngineDeadError` and new requests are refused with it.
+
+`RequestStream` and these errors are defined in engine/request_stream.py and importable from here.
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ from typing import Any, TypeVar, Union
 
 from engine.metrics import EngineStats
 from engine.outputs import RequestOutput
+from engine.request_stream import (
+    EngineDeadError,
+    EngineNotReadyError,
+    QueueFullError,
+    RequestCancelledError,
+    RequestFailedError,
+    RequestStream,
+)
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,65 +62,6 @@ class EngineState(enum.Enum):
     READY = "ready"
     DEAD = "dead"  # failed to load, or the loop broke: nothing will be served again
     STOPPED = "stopped"  # shut down on purpose
-
-
-class EngineNotReadyError(RuntimeError):
-    """The model is still loading (server: 503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop died or failed to load (server: 503 for new requests, 500 in flight)."""
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at --max-queued-requests (server: 429 with Retry-After)."""
-
-
-class RequestFailedError(RuntimeError):
-    """An internal failure while running this request only (server: 500)."""
-
-
-class RequestCancelledError(RuntimeError):
-    """The server ended the request itself, e.g. at the end of a graceful drain (server: 503)."""
-
-
-class RequestStream:
-    """The outputs of one request, in order, read by one consumer on the event loop.
-
-    Outputs are cumulative, so a consumer that falls behind skips to the latest one: `__anext__`
-    returns the newest output queued (never skipping the final one or an error).
-    """
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.started = False  # something has been put (an output or an error)
-        self.finished = False  # no more items will be put (finished output, error or abort)
-        self._done = False  # the consumer has seen the end
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        if self.finished:
-            return
-        self.started = True
-        if isinstance(item, BaseException) or item.finished:
-            self.finished = True
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
-            item = self._queue.get_nowait()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item.finished:
-            self._done = True
-        return item
 
 
 class AsyncEngine:

@@ -213,14 +213,10 @@ def _apply(engine, group: SequenceGroup, seqs: list[Sequence], next_beams: list[
 def _logprob_entry(engine, raw_row: torch.Tensor, token_id: int, num_top: int) -> dict[int, Logprob]:
     """The same per-token entry as sampling gives: the raw model's logprob and rank of the
     token, then its `num_top` best alternatives."""
-    r = score_tokens(raw_row[None, :], [token_id], num_top)[0]
-    entry = {token_id: Logprob(r.logprob, r.rank, engine._decode(token_id))}
-    for rank, (tid, lp) in enumerate(r.top_logprobs or [], start=1):
-        entry.setdefault(tid, Logprob(lp, rank, engine._decode(tid)))
-    return entry
+    return engine.output_processor.logprob_entry(score_tokens(raw_row[None, :], [token_id], num_top)[0])
 
 
-def beam_search_outputs(engine, group: SequenceGroup) -> list[CompletionOutput]:
+def beam_search_outputs(tokenizer, group: SequenceGroup) -> list[CompletionOutput]:
     """No choices while the search runs (or when it failed or was aborted); once done, the n
     best hypotheses by score, index 0 the best."""
     state = getattr(group, "beam_state", None)
@@ -230,7 +226,7 @@ def beam_search_outputs(engine, group: SequenceGroup) -> list[CompletionOutput]:
     outs = []
     for i, hyp in enumerate(state.hypotheses[: p.n]):
         if hyp.text is None:
-            hyp.text = _decode(engine, group, hyp.token_ids)
+            hyp.text = _decode(tokenizer, group, hyp.token_ids)
         outs.append(
             CompletionOutput(
                 index=i,
@@ -245,13 +241,13 @@ def beam_search_outputs(engine, group: SequenceGroup) -> list[CompletionOutput]:
     return outs
 
 
-def _decode(engine, group: SequenceGroup, token_ids: list[int]) -> str:
-    """The hypothesis's text exactly as a streamed sequence would have it."""
-    if engine.tokenizer is None:
+def _decode(tokenizer, group: SequenceGroup, token_ids: list[int]) -> str:
+    """The hypothesis's text exactly as a streamed sequence would have it ("" without a tokenizer)."""
+    if tokenizer is None:
         return ""
     p = group.params
     detok = IncrementalDetokenizer(
-        engine.tokenizer,
+        tokenizer,
         group.prompt_token_ids,
         skip_special_tokens=p.skip_special_tokens,
         spaces_between_special_tokens=p.spaces_between_special_tokens,

@@ -1,7 +1,8 @@
 """The synchronous engine: requests in, one `step()` at a time, `RequestOutput`s out.
 
-step() = schedule -> run the model -> sample -> append tokens, detokenize, check stops ->
-free what finished -> report. Not thread-safe: one thread owns it (see async_engine.py).
+step() = schedule -> run the model -> sample -> append tokens, detokenize, check stops
+(engine/output_processor.py) -> free what finished -> report. Not thread-safe: one thread owns
+it (see async_engine.py).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from engine.config import EngineArgs, EngineConfig
 from engine.metrics import EngineStats
 from engine.executor import create_executor
 from engine.model_runner import StepInput
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
 from engine.sampler import Sampler, SampleResult, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, decode_token, load_tokenizer
+from engine.tokenizer import apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class LLMEngine:
         self.eos_token_id = getattr(mc.hf_config, "eos_token_id", None)
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0]
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_id, mc.max_model_len)
         self._counters = {"prompt": 0, "generation": 0, "success": {}}
         self.last_stats = self._stats(SchedulerOutput(), [], [])
         logger.info(
@@ -100,7 +103,7 @@ class LLMEngine:
         self._validate(token_ids, params)
         group = SequenceGroup(request_id, text, token_ids, params, arrival_time)
         group.max_tokens = self._max_tokens(len(token_ids), params)
-        self._attach_detokenizer(group.seqs[0], group)
+        self.output_processor.attach_detokenizer(group.seqs[0], group)
         self.requests[request_id] = group
         self.scheduler.add(group)
 
@@ -128,15 +131,6 @@ class LLMEngine:
             raise ValueError(
                 f"The prompt needs {needed} KV blocks but the whole KV cache has {bm.gpu.num_blocks}; "
                 "it can never be scheduled."
-            )
-
-    def _attach_detokenizer(self, seq: Sequence, group: SequenceGroup) -> None:
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                group.prompt_token_ids,
-                skip_special_tokens=group.params.skip_special_tokens,
-                spaces_between_special_tokens=group.params.spaces_between_special_tokens,
             )
 
     def abort_request(self, request_id: str) -> None:
@@ -183,7 +177,7 @@ class LLMEngine:
                 touched[id(group)] = group
         outputs = []
         for group in touched.values():
-            outputs.append(self._output(group))
+            outputs.append(self.output_processor.output(group))
             if group.is_finished:
                 self._finish(group, now)
         self.last_stats = self._stats(sched, ttfts, itls, [g.metrics for g in touched.values() if g.is_finished])
@@ -290,115 +284,16 @@ class LLMEngine:
             seed = group.params.seed
             gen = torch.Generator().manual_seed(seed + i) if seed is not None else None
             child = parent.fork(i, gen)
-            self._attach_detokenizer(child, group)
+            self.output_processor.attach_detokenizer(child, group)
             self.block_manager.fork(parent, child)
             group.seqs.append(child)
             children.append(child)
         return children
 
     def _append(self, seq: Sequence, group: SequenceGroup, sample: SampleResult) -> None:
-        p = group.params
-        t = sample.token_id
-        seq.output_token_ids.append(t)
-        seq.cumulative_logprob += sample.logprob
-        if p.logprobs is not None:
-            entry = {t: Logprob(sample.logprob, sample.rank, self._decode(t))}
-            for rank, (tid, lp) in enumerate(sample.top_logprobs or [], start=1):
-                entry.setdefault(tid, Logprob(lp, rank, self._decode(tid)))
-            seq.output_logprobs.append(entry)
-        n_out = len(seq.output_token_ids)
-        can_stop = n_out >= p.min_tokens
-        is_eos = t == self.eos_token_id and not p.ignore_eos
-        if can_stop and (is_eos or t in p.stop_token_ids):
-            seq.status = SequenceStatus.FINISHED_STOPPED
-            seq.stop_reason = None if is_eos else t
-            if seq.detokenizer is not None:
-                seq.output_text += seq.detokenizer.flush()
-            return
-        if seq.detokenizer is not None:
-            delta = seq.detokenizer.step(t)
-            seq.output_text += delta
-            if can_stop and p.stop and delta:
-                self._check_stop_strings(seq, p, len(delta))
-                if seq.status.is_finished:
-                    return
-        if n_out >= group.max_tokens or len(seq) >= self.model_config.max_model_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH
-            if seq.detokenizer is not None:
-                seq.output_text += seq.detokenizer.flush()
-
-    def _decode(self, token_id: int) -> str | None:
-        return decode_token(self.tokenizer, token_id) if self.tokenizer is not None else None
-
-    @staticmethod
-    def _check_stop_strings(seq: Sequence, p: SamplingParams, new_chars: int) -> None:
-        """Look for a stop string in the text that this token could have completed."""
-        text = seq.output_text
-        longest = max(len(s) for s in p.stop)
-        region_start = max(0, len(text) - new_chars - longest + 1)
-        best = None
-        for stop in p.stop:
-            i = text.find(stop, region_start)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, stop)
-        if best is not None:
-            i, stop = best
-            seq.output_text = text[: i + len(stop)] if p.include_stop_str_in_output else text[:i]
-            seq.status = SequenceStatus.FINISHED_STOPPED
-            seq.stop_reason = stop
-
-    # ---------------------------------------------------------------- outputs
-    def _output(self, group: SequenceGroup) -> RequestOutput:
-        p = group.params
-        if p.use_beam_search:
-            from engine.beam_search import beam_search_outputs
-
-            return self._request_output(group, beam_search_outputs(self, group))
-        seqs = group.seqs
-        if group.is_finished and p.best_of > p.n:
-            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: p.n]
-        elif p.best_of > p.n:
-            seqs = []  # best_of: nothing is returned until the best are known
-        outs = [
-            CompletionOutput(
-                index=i if p.best_of > p.n else s.index,
-                text=self._visible_text(s, p),
-                token_ids=list(s.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=list(s.output_logprobs) if p.logprobs is not None else None,
-                finish_reason=s.status.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for i, s in enumerate(seqs)
-        ]
-        return self._request_output(group, outs)
-
-    def _request_output(self, group: SequenceGroup, outs: list[CompletionOutput]) -> RequestOutput:
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=outs,
-            finished=group.is_finished,
-            num_cached_tokens=group.num_cached_tokens,
-            metrics=group.metrics,
-            error=group.error,
-        )
-
-    @staticmethod
-    def _visible_text(seq: Sequence, p: SamplingParams) -> str:
-        """While running, hold back a tail that could still grow into a stop string, so a
-        streaming client never sees text that a stop string later removes."""
-        text = seq.output_text
-        if seq.status.is_finished or not p.stop:
-            return text
-        hold = 0
-        for stop in p.stop:
-            for k in range(min(len(stop) - 1, len(text)), hold, -1):
-                if text.endswith(stop[:k]):
-                    hold = k
-                    break
-        return text[: len(text) - hold]
+        # NOTE: kept as an engine method so that a subclass can inject a per-request failure
+        # here (tests/server/faulty_engine.py); the work is the output processor's.
+        self.output_processor.append(seq, group, sample)
 
     def _finish(self, group: SequenceGroup, now: float) -> None:
         self.requests.pop(group.request_id, None)
