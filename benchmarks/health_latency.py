@@ -21,15 +21,17 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a script: python benchmarks/health_latency.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.server_proc import server_for, split_server_flags
+
 PROMPTS = [
     "Write a short story about a robot learning to paint.",
     "Explain how a hash table works.",
@@ -113,34 +115,8 @@ async def throughput(url: str, concurrency: int, max_tokens: int, duration: floa
             "wall_s": wall, "output_tokens_per_s": sum(totals) / wall}
 
 
-def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
-           "--disable-uvicorn-access-log", "--log-level", "warning", *flags]
-    proc = subprocess.Popen(cmd, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server did not become healthy")
-
-
 def main() -> None:
-    argv = sys.argv[1:]
-    server_flags: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, server_flags = argv[:cut], argv[cut + 1:]
+    argv, server_flags = split_server_flags(sys.argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=None, help="a running server (default: --start one)")
     p.add_argument("--start", action="store_true", help="start `python -m server` with the flags after --")
@@ -152,11 +128,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
 
-    proc = None
-    url = args.url
-    if url is None or args.start:
-        proc, url = start_server(server_flags)
-    try:
+    with server_for(args.url, args.start, server_flags) as (url, _):
         health = asyncio.run(health_under_load(url, args.streams, args.max_tokens, args.health_interval))
         print(f"GET /health while {health['streams']} streams run: p50 {health['p50_ms']:.1f} ms, "
               f"p99 {health['p99_ms']:.1f} ms, max {health['max_ms']:.1f} ms ({health['samples']} samples; "
@@ -169,10 +141,6 @@ def main() -> None:
                   f"({r['requests']} requests, {r['output_tokens']} tokens, {r['wall_s']:.1f} s)", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({"health": health, "throughput": levels}, indent=2))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
 
 
 if __name__ == "__main__":

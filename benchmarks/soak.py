@@ -28,8 +28,6 @@ import asyncio
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -38,7 +36,11 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a script: python benchmarks/soak.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.server_proc import server_for, split_server_flags
+
 PROMPTS = [
     "Write a short story about a robot learning to paint.",
     "Explain how a hash table works.",
@@ -340,35 +342,8 @@ def _wait_pool_free(url: str, timeout: float) -> bool:
     return True
 
 
-def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
-           "--disable-uvicorn-access-log", "--log-level", "warning", *flags]
-    env = {"OMP_NUM_THREADS": "1", **os.environ}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server did not become healthy")
-
-
 def main() -> int:
-    argv = sys.argv[1:]
-    server_flags: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, server_flags = argv[:cut], argv[cut + 1:]
+    argv, server_flags = split_server_flags(sys.argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=None, help="a running server (default: --start one)")
     p.add_argument("--pid", type=int, default=None, help="the running server's pid (for the memory check)")
@@ -383,20 +358,13 @@ def main() -> int:
     p.add_argument("--json", default=None, help="write the report here")
     args = p.parse_args(argv)
 
-    proc = None
-    url, pid = args.url, args.pid
-    if url is None or args.start:
-        proc, url = start_server(server_flags)
-        pid = proc.pid
-    if pid is None:
-        print("no --pid: the memory check is skipped", file=sys.stderr)
-    try:
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    with server_for(args.url, args.start, server_flags, env) as (url, proc):
+        pid = proc.pid if proc is not None else args.pid
+        if pid is None:
+            print("no --pid: the memory check is skipped", file=sys.stderr)
         report = run_soak(url, pid, requests=args.requests, clients=args.clients, max_tokens=args.max_tokens,
                           seed=args.seed, rss_bound_mib=args.rss_bound_mib, timeout=args.timeout)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
     out = json.dumps(report.as_dict(), indent=2)
     print(out)
     if args.json:
