@@ -24,6 +24,7 @@ from engine.sampler import Sampler, SampleResult, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.structured_output import StructuredOutputCompiler, apply_grammar_masks
 from engine.tokenizer import apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class LLMEngine:
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0]
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_id, mc.max_model_len)
+        self.structured_outputs = StructuredOutputCompiler(self.tokenizer, mc.hf_config.vocab_size)
         self._counters = {"prompt": 0, "generation": 0, "success": {}}
         self.last_stats = self._stats(SchedulerOutput(), [], [])
         logger.info(
@@ -103,6 +105,8 @@ class LLMEngine:
         self._validate(token_ids, params)
         group = SequenceGroup(request_id, text, token_ids, params, arrival_time)
         group.max_tokens = self._max_tokens(len(token_ids), params)
+        if params.guided_decoding is not None:
+            group.seqs[0].grammar = self.structured_outputs.start(params.guided_decoding)
         self.output_processor.attach_detokenizer(group.seqs[0], group)
         self.requests[request_id] = group
         self.scheduler.add(group)
@@ -205,7 +209,10 @@ class LLMEngine:
         if not rows:
             return ttfts, itls
         index = torch.tensor([i for _, seqs, i, _ in work for _ in seqs], device=logits.device)
-        samples = self._sample(logits.index_select(0, index), rows)
+        logits = logits.index_select(0, index)
+        flat = [seq for _, seqs, _, _ in work for seq in seqs]
+        apply_grammar_masks(logits, [(k, seq.grammar) for k, seq in enumerate(flat) if seq.grammar is not None])
+        samples = self._sample(logits, rows)
         k = 0
         for group, seqs, _, is_prefill in work:
             chunk = samples[k : k + len(seqs)]

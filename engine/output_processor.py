@@ -51,11 +51,16 @@ class OutputProcessor:
     def append(self, seq: Sequence, group: SequenceGroup, sample: SampleResult) -> None:
         """Append a sampled token to `seq`: its logprobs (if asked for), cumulative logprob and
         text; then finish the sequence (status, stop_reason, flushed text) on EOS, a stop token
-        id, a stop string, max_tokens or the end of the context."""
+        id, a stop string, a completed structured output, max_tokens or the end of the context.
+        Raises RuntimeError when the sequence's grammar rejects the token."""
         p = group.params
         t = sample.token_id
         seq.output_token_ids.append(t)
         seq.cumulative_logprob += sample.logprob
+        if seq.grammar is not None and not seq.grammar.accept(t):
+            # NOTE: the masks allow only tokens the grammar takes, so this is a bug (or a
+            # grammar past llguidance's limits): the request fails, the others go on.
+            raise RuntimeError(f"structured output: token {t} was not accepted ({seq.grammar.error})")
         if p.logprobs is not None:
             seq.output_logprobs.append(self.logprob_entry(sample))
         n_out = len(seq.output_token_ids)
@@ -74,6 +79,11 @@ class OutputProcessor:
                 self.check_stop_strings(seq, p, len(delta))
                 if seq.status.is_finished:
                     return
+        if seq.grammar is not None and seq.grammar.is_complete:
+            seq.status = SequenceStatus.FINISHED_STOPPED  # the output is complete: nothing may follow
+            if seq.detokenizer is not None:
+                seq.output_text += seq.detokenizer.flush()
+            return
         if n_out >= group.max_tokens or len(seq) >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH
             if seq.detokenizer is not None:

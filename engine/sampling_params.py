@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured_output import GuidedDecoding
+
 _GREEDY_EPS = 1e-5
 
 
@@ -40,6 +42,8 @@ class SamplingParams:
     early_stopping: bool | str = False
     # Prefix-cache tenant separation: requests with different salts never share cached blocks.
     cache_salt: str | None = None
+    # Structured outputs: the output must match this JSON schema / regex / choice / grammar.
+    guided_decoding: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +103,8 @@ class SamplingParams:
                 bad("beam search requires temperature 0.")
             if self.early_stopping not in (True, False, "never"):
                 bad(f"early_stopping must be True, False or 'never', got {self.early_stopping}.")
+            if self.guided_decoding is not None:
+                bad("beam search cannot be combined with structured outputs.")
 
     @property
     def is_greedy(self) -> bool:

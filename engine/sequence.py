@@ -56,6 +56,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.generator = generator
         self.detokenizer = None  # engine.tokenizer.IncrementalDetokenizer, set by the engine
+        self.grammar = None  # engine.structured_output.GrammarState under structured outputs
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -80,6 +81,7 @@ class Sequence:
         child.cumulative_logprob = self.cumulative_logprob
         child.output_logprobs = list(self.output_logprobs)
         child.output_text = self.output_text
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
     def __repr__(self) -> str:

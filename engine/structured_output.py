@@ -89,6 +89,18 @@ def _grammar_text(spec: GuidedDecoding) -> str:
     return llguidance.grammar_from("grammar", spec.value)
 
 
+def validate(spec: GuidedDecoding, ll_tokenizer=None) -> str:
+    """The llguidance grammar for `spec`, checked (against `ll_tokenizer` when given, which
+    also catches tokenizer-specific problems); raises ValueError with the reason."""
+    import llguidance
+
+    text = _grammar_text(spec)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, ll_tokenizer)
+    if is_error:
+        raise ValueError(f"invalid {spec.kind} constraint: {messages[0].strip()}")
+    return text
+
+
 class GrammarState:
     """One sequence's position in its grammar. Not thread-safe; the engine thread owns it."""
 
@@ -139,13 +151,7 @@ class StructuredOutputCompiler:
     @functools.lru_cache(maxsize=256)  # noqa: B019 - one compiler per engine, lives as long
     def grammar(self, spec: GuidedDecoding) -> str:
         """The validated grammar for `spec`; raises ValueError with the reason if it is bad."""
-        import llguidance
-
-        text = _grammar_text(spec)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self._ll_tokenizer)
-        if is_error:
-            raise ValueError(f"invalid {spec.kind} constraint: {messages[0].strip()}")
-        return text
+        return validate(spec, self._ll_tokenizer)
 
     def start(self, spec: GuidedDecoding) -> GrammarState:
         """A fresh state at the start of `spec`'s grammar."""
@@ -159,7 +165,9 @@ class StructuredOutputCompiler:
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarState]]) -> None:
     """Set to -inf, in place, the logits of every token that `state` does not allow next, for
-    each `(row, state)`. Rows not listed are left alone."""
+    each `(row, state)`. Rows not listed, and states in error (whose sequence will fail on its
+    next token), are left alone."""
+    rows = [(r, state) for r, state in rows if state.error is None]
     if not rows:
         return
     vocab = logits.shape[1]

@@ -62,6 +62,13 @@ class _SamplingFields(_Request):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: Union[bool, Literal["never"]] = False
+    # Structured outputs (server/structured.py): OpenAI's response_format, vLLM's extras.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 PromptInput = Union[str, list[str], list[int], list[list[int]]]
@@ -94,7 +101,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Request):

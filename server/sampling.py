@@ -9,6 +9,7 @@ from engine.sampling_params import SamplingParams
 from server.errors import bad_request, from_value_error
 from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from server.settings import ServerSettings
+from server.structured import guided_decoding
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -66,6 +67,11 @@ def _common_checks(req: _SamplingFields, settings: ServerSettings, vocab_size: i
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
     )
+    guided = guided_decoding(req)
+    if guided is not None:
+        if req.use_beam_search:
+            raise bad_request("use_beam_search cannot be combined with structured outputs.", param="use_beam_search")
+        kwargs["guided_decoding"] = guided
     if req.use_beam_search:
         if req.stream:
             raise bad_request("use_beam_search does not support streaming.", param="stream")
@@ -130,8 +136,6 @@ def chat_params(req: ChatCompletionRequest, settings: ServerSettings, vocab_size
     kwargs = _common_checks(req, settings, vocab_size)
     if req.tools:
         raise bad_request("tools are not supported by this server.", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text is not supported.", param="response_format")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = _default_max_tokens(None, settings)
