@@ -60,7 +60,8 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def execute(self, step: StepInput) -> torch.Tensor:
-        """Run one step; float32 logits [len(step.seqs), vocab] on the driver's device."""
+        """Run one step; float32 logits on the driver's device, laid out as
+        `ModelRunner.execute` says ([len(step.seqs) + step.num_extra_logit_rows, vocab])."""
 
     def check_health(self) -> None:
         """Raise `WorkerDiedError` if the executor cannot run steps any more."""

@@ -13,6 +13,7 @@ import time
 import torch
 
 from cuda_ext import ops
+from engine import prompt_logprobs
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs, EngineConfig
 from engine.metrics import EngineStats
@@ -168,10 +169,12 @@ class LLMEngine:
         for s in sched.scheduled:
             if s.group.metrics.first_scheduled_time is None:
                 s.group.metrics.first_scheduled_time = scheduled_at
-        logits = self.executor.execute(StepInput.from_scheduler_output(sched))
+        step_input = StepInput.from_scheduler_output(sched, prompt_logprobs.wanted(sched))
+        logits = self.executor.execute(step_input)
         now = time.monotonic()
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
+        prompt_logprobs.assign(sched, step_input, logits, self.output_processor.logprob_entry, self._fail)
         ttfts, itls = self._process_samples(sched, logits, now)
         self.scheduler.free_finished()
         touched = {id(s.group): s.group for s in sched.scheduled}
@@ -195,6 +198,8 @@ class LLMEngine:
         ttfts: list[float] = []
         itls: list[float] = []
         for i, s in enumerate(sched.scheduled):
+            if s.group.error is not None:
+                continue  # failed earlier in this step (its prompt logprobs): no sample
             if s.group.params.use_beam_search:
                 beams.setdefault(s.group.request_id, (s.group, [], s.is_prefill))[1].append((s.seq, i))
                 continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,8 @@ class SeqInput:
     start: int  # position of token_ids[0]: tokens of this sequence already in the cache
     block_table: list[int]  # physical block ids covering positions [0, start + len(token_ids))
     is_prefill: bool  # True when this step computes more than the last token
+    # Also return the logits of every other token this step computes (prompt logprobs).
+    all_logits: bool = False
 
 
 @dataclass
@@ -54,14 +57,21 @@ class StepInput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
 
     @classmethod
-    def from_scheduler_output(cls, out: SchedulerOutput) -> "StepInput":
-        """Read before the engine advances `num_computed_tokens` for this step."""
+    def from_scheduler_output(cls, out: SchedulerOutput, all_logits: Collection[int] = ()) -> "StepInput":
+        """Read before the engine advances `num_computed_tokens` for this step. `all_logits`:
+        indices into `out.scheduled` of prefills that want the logits of every token they
+        compute, not just the last (see `ModelRunner.execute`)."""
         seqs = []
-        for s in out.scheduled:
+        for i, s in enumerate(out.scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
             ids = seq.token_ids[start:] if s.is_prefill else [seq.last_token_id]
-            seqs.append(SeqInput(ids, start, list(s.block_table), s.is_prefill))
+            seqs.append(SeqInput(ids, start, list(s.block_table), s.is_prefill, s.is_prefill and i in all_logits))
         return cls(seqs, list(out.blocks_to_swap_in), list(out.blocks_to_swap_out), list(out.blocks_to_copy))
+
+    @property
+    def num_extra_logit_rows(self) -> int:
+        """Rows `ModelRunner.execute` returns past one per sequence (see there)."""
+        return sum(len(s.token_ids) - 1 for s in self.seqs if s.all_logits)
 
 
 class ModelRunner:
@@ -108,17 +118,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
-        """Runs the step; returns float32 logits [len(step.seqs), vocab], one row per
-        scheduled sequence (its last token's). Mutates the KV pools only."""
+        """Runs the step; returns float32 logits [len(step.seqs) + step.num_extra_logit_rows,
+        vocab]: first one row per scheduled sequence (its last token's), then, for each
+        sequence with `all_logits` in step order, one row per other token it computed, in
+        position order (row j predicts the token after `start + j`). Mutates the KV pools only."""
         cache = self.cache
         cache.swap_out(step.blocks_to_swap_out)
         cache.swap_in(step.blocks_to_swap_in)
         cache.copy(step.blocks_to_copy)
         if not step.seqs:
             return torch.empty(0, self.config.hf_config.vocab_size)
-        input_ids, positions, meta, last_rows = self._prepare(step)
+        input_ids, positions, meta, rows = self._prepare(step)
         hidden = self.model(input_ids, positions, meta, cache.kv_caches)
-        return self.model.compute_logits(hidden[last_rows]).float()
+        # NOTE: only the rows asked for go through the LM head: a full-vocabulary row for every
+        # prompt token of every request would be len(prompt) x vocab floats each.
+        return self.model.compute_logits(hidden[rows]).float()
 
     def _prepare(self, step: StepInput):
         bs = self.block_size
@@ -127,6 +141,7 @@ class ModelRunner:
         slots: list[int] = []
         prefills: list[PrefillSpan] = []
         last_rows: list[int] = []
+        extra_rows: list[int] = []  # the other computed tokens of sequences with all_logits
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         for s in step.seqs:
@@ -138,6 +153,8 @@ class ModelRunner:
             pos.extend(positions)
             slots.extend(table[p // bs] * bs + p % bs for p in positions)
             last_rows.append(len(ids) - 1)
+            if s.all_logits:
+                extra_rows.extend(range(row0, len(ids) - 1))
             if s.is_prefill:
                 bt = torch.tensor(table, dtype=torch.int64, device=self.device) if start else None
                 prefills.append(PrefillSpan(row0, len(ids), start, bt))
@@ -162,7 +179,7 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.int64, device=dev),
             torch.tensor(pos, dtype=torch.int64, device=dev),
             meta,
-            torch.tensor(last_rows, dtype=torch.int64, device=dev),
+            torch.tensor(last_rows + extra_rows, dtype=torch.int64, device=dev),
         )
 
 

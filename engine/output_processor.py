@@ -141,6 +141,7 @@ class OutputProcessor:
             prompt_token_ids=group.prompt_token_ids,
             outputs=outs,
             finished=group.is_finished,
+            prompt_logprobs=group.prompt_logprobs,
             num_cached_tokens=group.num_cached_tokens,
             metrics=group.metrics,
             error=group.error,

@@ -1,0 +1,156 @@
+"""Prompt logprobs (`SamplingParams.prompt_logprobs = k`) on the default model: each prompt
+token's logprob and its k best alternatives equal HF transformers' log_softmax over the same
+prompt (fp32, CPU), alone and in a batch beside decodes; they are complete with prefix caching
+on and a repeated prompt, computed once across recompute preemptions, shared by n / best_of /
+beam samples, and present on a request's first output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.sampling_params import SamplingParams
+from tests.engine.prompts import prompt_of_length
+
+TOL = 1e-3  # absolute, on logprobs in fp32
+NEAR_TIE = 1e-4  # top-k ids may swap where the reference's values are this close
+K = 3
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [prompt_of_length(tokenizer, n, off) for n, off in [(5, 0), (37, 40), (130, 150)]]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompts):
+    """Per prompt: HF's log_softmax [len(prompt), vocab]; row i - 1 scores prompt token i."""
+    with torch.inference_mode():
+        return [torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1) for ids in prompts]
+
+
+def params(**kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": 2, "prompt_logprobs": K, **kw})
+
+
+def assert_matches_hf(got, ids: list[int], ref: torch.Tensor, k: int = K, label: str = "") -> None:
+    assert got is not None and len(got) == len(ids), f"{label}: {None if got is None else len(got)} entries"
+    assert got[0] is None
+    for i in range(1, len(ids)):
+        entry, row, tok = got[i], ref[i - 1], ids[i]
+        where = f"{label} position {i}"
+        assert next(iter(entry)) == tok, f"{where}: the prompt token comes first"
+        assert entry[tok].logprob == pytest.approx(row[tok].item(), abs=TOL), where
+        v = row[tok].item()  # our rank may differ only among tokens within TOL of it
+        assert int((row > v + TOL).sum()) + 1 <= entry[tok].rank <= int((row > v - TOL).sum()), where
+        top_vals, top_ids = row.topk(k)
+        ours = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank <= k)
+        assert len(entry) in (k, k + 1) and [r for r, _, _ in ours] == list(range(1, k + 1)), where
+        for (rank, tid, lp), want_id, want_lp in zip(ours, top_ids.tolist(), top_vals.tolist()):
+            assert lp == pytest.approx(want_lp, abs=TOL), f"{where} rank {rank}"
+            if tid != want_id:  # only a near-tie in the reference may swap two alternatives
+                assert abs(row[tid].item() - want_lp) < NEAR_TIE, f"{where} rank {rank}: {tid} vs {want_id}"
+
+
+def run(engine, requests: dict[str, tuple[list[int], SamplingParams]], stagger: dict[str, int] | None = None):
+    """Step the engine by hand; returns ({id: first output}, {id: final output}). `stagger`
+    adds a request at that step instead of at once."""
+    stagger = stagger or {}
+    first, final, steps = {}, {}, 0
+    pending = dict(requests)
+    while pending or engine.has_unfinished_requests():
+        for rid in [r for r in pending if stagger.get(r, 0) <= steps]:
+            ids, p = pending.pop(rid)
+            engine.add_request(rid, ids, p)
+        for out in engine.step():
+            first.setdefault(out.request_id, out)
+            if out.finished:
+                final[out.request_id] = out
+        engine.block_manager.check_integrity()
+        steps += 1
+    return first, final
+
+
+def test_prompt_logprobs_equal_hf(make_llm, prompts, reference):
+    llm = make_llm(block_size=16)
+    for k, (ids, ref) in enumerate(zip(prompts, reference)):
+        out = llm.generate([ids], params())[0]
+        assert_matches_hf(out.prompt_logprobs, ids, ref, label=f"prompt {k} alone")
+    zero = llm.generate([prompts[1]], params(prompt_logprobs=0))[0].prompt_logprobs
+    assert all(len(e) == 1 for e in zero[1:])
+    plain = llm.generate([prompts[1]], params(prompt_logprobs=None))[0]
+    assert plain.prompt_logprobs is None
+
+
+def test_batched_beside_decodes(make_llm, prompts, reference):
+    """Two prompt-logprob prefills join a running decode in one step (their extra logit rows
+    follow every sequence's last row); a third request asks for none."""
+    engine = make_llm(block_size=16).engine
+    requests = {
+        "plain": (prompts[2], params(prompt_logprobs=None, max_tokens=6)),
+        "a": (prompts[0], params(prompt_logprobs=2)),
+        "b": (prompts[2], params()),
+        "c": (prompts[1], params()),
+    }
+    first, final = run(engine, requests, stagger={"a": 2, "b": 2, "c": 4})
+    assert final["plain"].prompt_logprobs is None
+    for rid, k in [("a", 0), ("b", 2), ("c", 1)]:
+        assert first[rid].prompt_logprobs is final[rid].prompt_logprobs
+        assert_matches_hf(first[rid].prompt_logprobs, prompts[k], reference[k], k=requests[rid][1].prompt_logprobs,
+                          label=f"request {rid}")
+
+
+def test_prefix_caching_repeated_prompt_is_complete(make_llm, prompts, reference):
+    """A cached prompt does not shorten prompt logprobs: the request computes it whole (and
+    still publishes its blocks, so a plain request after it hits the cache)."""
+    engine = make_llm(block_size=16, enable_prefix_caching=True).engine
+    ids, ref = prompts[2], reference[2]
+    salt = "prompt-logprobs-test"  # NOTE: no blocks cached by other tests are reused
+    _, warm = run(engine, {"warm": (ids, params(prompt_logprobs=None, cache_salt=salt))})
+    _, got = run(engine, {"x": (ids, params(cache_salt=salt)), "y": (ids, params(cache_salt=salt))},
+                 stagger={"y": 3})
+    for rid in ("x", "y"):
+        assert got[rid].num_cached_tokens == 0
+        assert_matches_hf(got[rid].prompt_logprobs, ids, ref, label=f"cached prompt, request {rid}")
+    _, after = run(engine, {"z": (ids, params(prompt_logprobs=None, cache_salt=salt))})
+    assert after["z"].num_cached_tokens >= 16 * (len(ids) // 16) - 16
+
+
+def test_computed_once_across_recompute_preemption(make_llm):
+    """The preemption tests' tiny pool: 16 short prompts grow until >= 20 recompute
+    preemptions. Each request's prompt logprobs are those of a run with ample memory, of the
+    prompt's length, and the very list given on its first output (never recomputed)."""
+    tiny = make_llm(block_size=4, max_model_len=64, num_gpu_blocks_override=17, preemption_mode="recompute",
+                    swap_space=0.01)
+    ample = make_llm(block_size=4, max_model_len=64)
+    prompts = [prompt_of_length(tiny.tokenizer, 4 + k % 5, 13 * k) for k in range(16)]
+    p = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True, prompt_logprobs=1)
+    before = tiny.engine.scheduler.num_preemptions["recompute"]
+    first, final = run(tiny.engine, {f"r{k}": (ids, p) for k, ids in enumerate(prompts)})
+    assert tiny.engine.scheduler.num_preemptions["recompute"] - before >= 20
+    preempted = [rid for rid, out in final.items() if out.metrics.num_preemptions > 0]
+    assert preempted
+    # NOTE: prompt logprobs do not depend on what is generated: one token is enough here.
+    want = ample.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    for k, w in enumerate(want):
+        got = final[f"r{k}"].prompt_logprobs
+        assert got is first[f"r{k}"].prompt_logprobs and len(got) == len(prompts[k]) and got[0] is None
+        for g, e in zip(got[1:], w.prompt_logprobs[1:]):
+            assert set(g) == set(e)
+            assert all(g[t].logprob == pytest.approx(e[t].logprob, abs=TOL) for t in g)
+
+
+def test_shared_by_samples_and_beams(make_llm, prompts, reference):
+    engine = make_llm(block_size=16).engine
+    ids, ref = prompts[1], reference[1]
+    requests = {
+        "n3": (ids, params(n=3, temperature=1.0, seed=3, max_tokens=3)),
+        "best_of": (ids, params(n=2, best_of=3, temperature=1.0, seed=5, max_tokens=3)),
+        "beams": (ids, params(n=2, use_beam_search=True, max_tokens=3)),
+    }
+    first, final = run(engine, requests)
+    for rid in requests:
+        got = first[rid].prompt_logprobs
+        assert got is final[rid].prompt_logprobs, f"{rid}: computed once, on the first output"
+        assert len(final[rid].outputs) == requests[rid][1].n
+        assert_matches_hf(got, ids, ref, label=rid)
