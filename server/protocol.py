@@ -80,6 +80,8 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
+    # vLLM's extra: alternatives per echoed prompt token (default: logprobs); needs echo and logprobs.
+    prompt_logprobs: int | None = None
 
 
 class TextPart(_Request):

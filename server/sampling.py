@@ -129,7 +129,23 @@ def completion_params(req: CompletionRequest, settings: ServerSettings, vocab_si
     kwargs.update(max_tokens=max_tokens, logprobs=req.logprobs)
     if req.echo and req.logprobs is not None:
         kwargs["prompt_logprobs"] = req.logprobs
+    if req.prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = _prompt_logprobs(req, settings)
     return _build(kwargs)
+
+
+def _prompt_logprobs(req: CompletionRequest, settings: ServerSettings) -> int:
+    """The explicit prompt_logprobs field, capped like logprobs. The prompt's logprobs are
+    answered inside the echoed choice's logprobs, so the field needs echo and logprobs (without
+    them there is nowhere to put them: a 400 rather than a silently ignored field)."""
+    n = req.prompt_logprobs
+    if not 0 <= n <= settings.max_logprobs:
+        raise bad_request(f"prompt_logprobs must be between 0 and {settings.max_logprobs}, got {n}.",
+                          param="prompt_logprobs")
+    if not req.echo or req.logprobs is None:
+        raise bad_request("prompt_logprobs are returned with the echoed prompt: set echo=true and logprobs.",
+                          param="prompt_logprobs")
+    return n
 
 
 def chat_params(req: ChatCompletionRequest, settings: ServerSettings, vocab_size: int | None) -> SamplingParams:
