@@ -42,6 +42,7 @@ from engine.request_stream import (
     QueueFullError,
     RequestCancelledError,
     RequestFailedError,
+    RequestInvalidError,
     RequestStream,
 )
 from engine.sampling_params import SamplingParams
@@ -285,7 +286,9 @@ class AsyncEngine:
             if stream is None:
                 continue
             error = getattr(output, "error", None)  # the engine failed this request alone
-            if error is not None:
+            if error is not None and output.invalid_request:
+                stream.put(RequestInvalidError(error))
+            elif error is not None:
                 stream.put(RequestFailedError(f"Internal error while generating: {error}"))
                 if not output.finished:
                     self.abort(output.request_id)

@@ -25,7 +25,7 @@ from engine.sampler import Sampler, SampleResult, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.structured_output import StructuredOutputCompiler, apply_grammar_masks
+from engine.structured_output import ConstraintUnsatisfiable, StructuredOutputCompiler, apply_grammar_masks
 from engine.tokenizer import apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -263,8 +263,12 @@ class LLMEngine:
 
     def _fail(self, group: SequenceGroup, e: Exception) -> None:
         """One request's failure must not take the others down: it ends aborted, with the error."""
-        logger.exception("request %s failed while processing its sample", group.request_id)
-        group.error = f"{type(e).__name__}: {e}"
+        if isinstance(e, ConstraintUnsatisfiable):  # the request's own fault: the server says 400
+            logger.warning("request %s failed: %s", group.request_id, e)
+            group.error, group.invalid_request = str(e), True
+        else:
+            logger.exception("request %s failed while processing its sample", group.request_id)
+            group.error = f"{type(e).__name__}: {e}"
         for seq in group.unfinished_seqs:
             seq.status = SequenceStatus.FINISHED_ABORTED
 

@@ -13,6 +13,7 @@ from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampler import SampleResult
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.structured_output import ConstraintUnsatisfiable
 from engine.tokenizer import IncrementalDetokenizer, decode_token
 
 
@@ -52,15 +53,15 @@ class OutputProcessor:
         """Append a sampled token to `seq`: its logprobs (if asked for), cumulative logprob and
         text; then finish the sequence (status, stop_reason, flushed text) on EOS, a stop token
         id, a stop string, a completed structured output, max_tokens or the end of the context.
-        Raises RuntimeError when the sequence's grammar rejects the token."""
+        Raises ConstraintUnsatisfiable when the sequence's grammar rejects the token."""
         p = group.params
         t = sample.token_id
         seq.output_token_ids.append(t)
         seq.cumulative_logprob += sample.logprob
         if seq.grammar is not None and not seq.grammar.accept(t):
-            # NOTE: the masks allow only tokens the grammar takes, so this is a bug (or a
-            # grammar past llguidance's limits): the request fails, the others go on.
-            raise RuntimeError(f"structured output: token {t} was not accepted ({seq.grammar.error})")
+            raise ConstraintUnsatisfiable(
+                "the structured-output constraint cannot be met with this model's vocabulary: "
+                + (seq.grammar.error or "").split("\n")[0])
         if p.logprobs is not None:
             seq.output_logprobs.append(self.logprob_entry(sample))
         n_out = len(seq.output_token_ids)
@@ -145,6 +146,7 @@ class OutputProcessor:
             num_cached_tokens=group.num_cached_tokens,
             metrics=group.metrics,
             error=group.error,
+            invalid_request=group.invalid_request,
         )
 
     @staticmethod

@@ -47,6 +47,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: "RequestMetrics | None" = None
     error: str | None = None  # set when this request failed inside the engine (the server answers 500)
+    invalid_request: bool = False  # ... because of the request itself, e.g. an unsatisfiable constraint (400)
 
 
 @dataclass

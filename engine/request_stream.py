@@ -28,6 +28,11 @@ class RequestFailedError(RuntimeError):
     """An internal failure while running this request only (server: 500)."""
 
 
+class RequestInvalidError(RuntimeError):
+    """This request failed inside the engine by its own fault, e.g. a structured-output
+    constraint the vocabulary cannot meet (server: 400)."""
+
+
 class RequestCancelledError(RuntimeError):
     """The server ended the request itself, e.g. at the end of a graceful drain (server: 503)."""
 

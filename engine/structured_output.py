@@ -101,6 +101,11 @@ def validate(spec: GuidedDecoding, ll_tokenizer=None) -> str:
     return text
 
 
+class ConstraintUnsatisfiable(ValueError):
+    """The grammar rejected a token its own mask allowed: the constraint cannot be met with
+    this vocabulary (e.g. a regex demanding a byte no token holds). The request's fault, a 400."""
+
+
 class GrammarState:
     """One sequence's position in its grammar. Not thread-safe; the engine thread owns it."""
 
@@ -113,8 +118,8 @@ class GrammarState:
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token. False when the grammar rejects it (the state is then
-        in error and stays there); the masks make that happen only for tokens the engine
-        forces, such as EOS under `ignore_eos` or a stop token id."""
+        in error and stays there). The masks allow only tokens the grammar takes, so that
+        happens only when the constraint cannot be met with this vocabulary."""
         return self._matcher.consume_token(token_id)
 
     @property

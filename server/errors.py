@@ -20,6 +20,7 @@ from engine.async_engine import (
     QueueFullError,
     RequestCancelledError,
     RequestFailedError,
+    RequestInvalidError,
 )
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ def from_engine_error(exc: BaseException, *, in_flight: bool = False) -> OpenAIE
         if in_flight:
             return OpenAIError(500, f"The engine stopped while generating: {exc}", code="engine_dead")
         return OpenAIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, RequestInvalidError):
+        return bad_request(str(exc))
     if isinstance(exc, RequestFailedError):
         return OpenAIError(500, str(exc), code="internal_error")
     logger.error("internal error while handling a request", exc_info=exc)

@@ -98,3 +98,15 @@ def test_bad_constraint_is_a_value_error(make_llm, spec):
 def test_beam_search_with_a_constraint_is_refused():
     with pytest.raises(ValueError, match="beam search"):
         SamplingParams(n=2, use_beam_search=True, temperature=0, guided_decoding=GuidedDecoding.json_schema())
+
+
+def test_unsatisfiable_constraint_fails_alone_as_an_invalid_request(make_llm):
+    # U+A8684 needs the byte 0xF2, which no token of this vocabulary holds: the grammar
+    # rejects the token its own mask allowed. That request fails as the request's fault; its
+    # neighbour in the batch finishes normally.
+    llm = make_llm(**BASE)
+    bad = SamplingParams(temperature=0, max_tokens=4, guided_decoding=GuidedDecoding("regex", "\u00e0\U000a8684"))
+    good = SamplingParams(temperature=0, max_tokens=4)
+    outs = llm.generate(["Hello", "Hello"], [bad, good])
+    assert outs[0].invalid_request and "cannot be met" in outs[0].error
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 4

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.support import wait_pool_free
+from tests.server.support import sse_events, wait_pool_free
 
 PERSON = {
     "type": "object",
@@ -92,4 +92,14 @@ def test_bad_constraints_are_400_naming_the_field(url, body, param):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    wait_pool_free(url)
+
+
+def test_unsatisfiable_constraint_is_a_400_and_an_in_band_error_when_streaming(url):
+    body = {"prompt": "Hi", "max_tokens": 4, "guided_regex": "\u00e0\U000a8684"}  # no token holds byte 0xF2
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "cannot be met" in r.json()["error"]["message"]
+    events = sse_events(httpx.post(url + "/v1/completions", json={**body, "stream": True}, timeout=60).text)
+    assert events[-1] == "[DONE]" and "cannot be met" in events[-2]["error"]["message"]
     wait_pool_free(url)
