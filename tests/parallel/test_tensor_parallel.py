@@ -93,6 +93,29 @@ def test_tiny_4kv_tp2_equals_tp1_with_swaps_and_copies():
     compare(ours, reference, "tiny-4kv TP=2")
 
 
+def test_prompt_logprobs_tp2_equal_tp1():
+    """Prompt logprobs need the LM head's rows for every prompt token: the request is marked in
+    the StepInput, so every rank gathers the same rows. Mixed with a request that asks for none."""
+    prompts = [[(5 * i + j) % 1000 + 3 for j in range(20 + 7 * i)] for i in range(3)]
+    with_pl = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    params = [with_pl, greedy(2), with_pl]
+    with tp_llm(**TINY) as llm:
+        reference = llm.generate(prompts, params)
+    with tp_llm(**TINY, tensor_parallel_size=2) as llm:
+        ours = llm.generate(prompts, params)
+    assert ours[1].prompt_logprobs is None
+    for k in (0, 2):
+        got, want = ours[k].prompt_logprobs, reference[k].prompt_logprobs
+        assert len(got) == len(prompts[k]) and got[0] is None and want[0] is None
+        for i, (g, w) in enumerate(zip(got[1:], want[1:]), start=1):
+            tok = prompts[k][i]
+            assert g[tok].logprob == pytest.approx(w[tok].logprob, abs=1e-4), (k, i)
+            # NOTE: dummy weights give near-flat logits: compare the best values, not their ids.
+            top = sorted((lp.logprob for lp in g.values() if lp.rank <= 2), reverse=True)
+            assert top == pytest.approx(sorted((lp.logprob for lp in w.values() if lp.rank <= 2), reverse=True),
+                                        abs=1e-4), (k, i)
+
+
 def test_smollm2_tp3_equals_single_process(tokenizer_ids):
     """The default model split over 3 ranks (3 KV heads, one each) gives the single-process
     greedy tokens for prompts of the foundation tests, batched."""
