@@ -9,6 +9,23 @@ The first build takes about a minute (a log line says so); later processes load 
 ``.so`` in well under a second. Cache root: ``$PAGED_SERVE_EXT_CACHE``, else
 ``~/.cache/paged-serve/torch_extensions``. ``PAGED_SERVE_BUILD_VERBOSE=1`` shows the compiler
 commands.
+
+``PAGED_SERVE_CPU_ARCH`` chooses the instruction set of the C++ code (the CPU kernels, and the
+host side of the CUDA build):
+
+* ``native`` (default): ``-march=native``, code for this machine's CPU. The cache key
+  includes this CPU's model and ISA flags, so another machine (or a container started on one)
+  builds its own copy instead of loading a binary that may not run there.
+* ``portable``: a conservative baseline that any x86-64 server of the last ~15 years runs,
+  ``-march=x86-64-v2`` (SSE4.2, POPCNT; ``-march=armv8-a`` on aarch64), and a cache key
+  without the CPU model: a library built once (e.g. in a container image) loads on any machine
+  with the same sources, toolchain and architecture. For container images.
+* any other value is passed as ``-march=<value>`` (e.g. ``x86-64-v3`` for AVX2 hosts), with
+  the same CPU-independent key as ``portable``; the operator vouches that every host runs it.
+
+``load`` refuses (RuntimeError, before compiling) an ``x86-64-vN`` target whose features this
+CPU lacks, rather than load a library that dies of SIGILL; ``cuda_ext.ops`` then falls back to
+the reference with a warning.
 """
 
 from __future__ import annotations
@@ -17,6 +34,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import time
 from pathlib import Path
@@ -29,10 +47,11 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 CPU_SOURCES = ("bindings.cpp", "cpu/attention.cpp", "cpu/cache.cpp")
 CUDA_SOURCES = ("cuda/attention.cu", "cuda/cache.cu")
 
-# NOTE: -march=native is safe because the cache key includes this machine's CPU flags, so a
-# cache directory shared between different machines never hands out a foreign binary.
-CPU_FLAGS = ("-O3", "-march=native", "-fopenmp-simd")
 CUDA_FLAGS = ("-O3", "-lineinfo", "-DPAGED_SERVE_WITH_CUDA")
+CPU_ARCH_ENV = "PAGED_SERVE_CPU_ARCH"
+# The `portable` baseline per machine architecture (platform.machine()); elsewhere no -march.
+PORTABLE_MARCH = {"x86_64": "x86-64-v2", "amd64": "x86-64-v2", "aarch64": "armv8-a", "arm64": "armv8-a"}
+_MARCH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+_-]*")
 
 
 def cache_root() -> Path:
@@ -69,8 +88,75 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
-def source_hash(kind: str) -> str:
-    """Digest of everything that decides the built binary: sources, headers, flags, toolchain."""
+def cpu_arch() -> str:
+    """The ``PAGED_SERVE_CPU_ARCH`` setting: ``native`` (default), ``portable`` or a -march name."""
+    arch = os.environ.get(CPU_ARCH_ENV, "").strip() or "native"
+    if not _MARCH_NAME.fullmatch(arch):
+        raise ValueError(f"{CPU_ARCH_ENV} must be native, portable or a -march name, not {arch!r}")
+    return arch
+
+
+def _march(arch: str, machine: str | None = None) -> str | None:
+    """The -march value of a setting on this (or the given) machine architecture; None: none."""
+    if arch == "portable":
+        return PORTABLE_MARCH.get((machine or platform.machine()).lower())
+    return arch
+
+
+def cpu_flags(arch: str, machine: str | None = None) -> tuple[str, ...]:
+    """The C++ compiler flags for a ``PAGED_SERVE_CPU_ARCH`` setting on this (or the given)
+    machine architecture."""
+    march = _march(arch, machine)
+    # NOTE: the order is part of the cache key; native keeps the key of the builds before
+    # PAGED_SERVE_CPU_ARCH existed, so existing caches stay valid.
+    return ("-O3",) + ((f"-march={march}",) if march else ()) + ("-fopenmp-simd",)
+
+
+# The x86-64 micro-architecture levels as /proc/cpuinfo flags (glibc's hwcaps checks; "pni" is
+# SSE3, "abm" LZCNT); each level needs those of the levels before it too.
+X86_64_LEVELS = {
+    "x86-64-v2": ("cx16", "lahf_lm", "pni", "popcnt", "sse4_1", "sse4_2", "ssse3"),
+    "x86-64-v3": ("abm", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"),
+    "x86-64-v4": ("avx512bw", "avx512cd", "avx512dq", "avx512f", "avx512vl"),
+}
+
+
+def _cpuinfo_flags() -> set[str] | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return None
+
+
+def missing_cpu_features(arch: str, flags: set[str] | None = None) -> list[str]:
+    """The CPU flags that a setting's x86-64-vN target needs and this CPU (or `flags`) lacks,
+    so a portable library is refused with a message instead of dying of SIGILL. Empty for
+    other targets, or where the CPU's flags cannot be read."""
+    march = _march(arch)
+    if march not in X86_64_LEVELS:
+        return []
+    flags = _cpuinfo_flags() if flags is None else flags
+    if flags is None:
+        return []
+    levels = list(X86_64_LEVELS)
+    needed = [f for level in levels[: levels.index(march) + 1] for f in X86_64_LEVELS[level]]
+    return [f for f in needed if f not in flags]
+
+
+def _machine_key(arch: str) -> str:
+    """What of the machine goes into the cache key: with ``native``, its CPU model and ISA
+    flags (a -march=native binary may not run elsewhere); otherwise only its architecture."""
+    return _cpu_signature() if arch == "native" else platform.machine()
+
+
+def source_hash(kind: str, arch: str | None = None) -> str:
+    """Digest of everything that decides the built binary: sources, headers, flags, toolchain,
+    and the CPU (``native``) or the machine architecture (other settings). `arch` defaults to
+    the ``PAGED_SERVE_CPU_ARCH`` setting."""
+    arch = arch or cpu_arch()
     h = hashlib.sha256()
     for path in sorted(CSRC.rglob("*")):
         if kind == "cpu" and path.is_relative_to(CSRC / "cuda"):
@@ -78,8 +164,8 @@ def source_hash(kind: str) -> str:
         if path.is_file() and path.suffix in {".cpp", ".cu", ".h", ".cuh"}:
             h.update(str(path.relative_to(CSRC)).encode())
             h.update(path.read_bytes())
-    h.update(repr((kind, CPU_FLAGS, CUDA_FLAGS, torch.__version__, torch.version.cuda)).encode())
-    h.update(_cpu_signature().encode())
+    h.update(repr((kind, cpu_flags(arch), CUDA_FLAGS, torch.__version__, torch.version.cuda)).encode())
+    h.update(_machine_key(arch).encode())
     return h.hexdigest()[:16]
 
 
@@ -93,7 +179,14 @@ def load(kind: str) -> Path:
 
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"unknown build kind {kind!r}")
-    name = f"paged_serve_ops_{kind}_{source_hash(kind)}"
+    arch = cpu_arch()
+    missing = missing_cpu_features(arch)
+    if missing:
+        raise RuntimeError(
+            f"{CPU_ARCH_ENV}={arch} builds for {_march(arch)}, which this CPU does not support "
+            f"(no {', '.join(missing)}); set {CPU_ARCH_ENV}=native to build for this machine"
+        )
+    name = f"paged_serve_ops_{kind}_{source_hash(kind, arch)}"
     build_dir = cache_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     sources = [str(CSRC / s) for s in CPU_SOURCES]
@@ -107,14 +200,15 @@ def load(kind: str) -> Path:
     first = not (build_dir / f"{name}.so").exists()
     if first:
         logger.info(
-            "building the %s PagedAttention ops (first build, about a minute) in %s",
-            kind.upper(), build_dir,
+            "building the %s PagedAttention ops for CPU arch %s (first build, about a minute) in %s",
+            kind.upper(), arch, build_dir,
         )
     start = time.perf_counter()
+    cflags = list(cpu_flags(arch))
     cpp_extension.load(
         name=name,
         sources=sources,
-        extra_cflags=list(CPU_FLAGS) + (["-DPAGED_SERVE_WITH_CUDA"] if kind == "cuda" else []),
+        extra_cflags=cflags + (["-DPAGED_SERVE_WITH_CUDA"] if kind == "cuda" else []),
         extra_cuda_cflags=list(CUDA_FLAGS),
         build_directory=str(build_dir),
         with_cuda=kind == "cuda",

@@ -1,10 +1,13 @@
 """Backend selection in cuda_ext.ops: compiled by default, reference when forced or when the
-build fails (with a warning)."""
+build fails (with a warning); and cuda_ext.build's PAGED_SERVE_CPU_ARCH setting (flags, cache
+key, the CPU check, one real portable build)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +52,119 @@ def test_env_forces_reference():
 
 def test_source_hash_changes_with_kind():
     assert build.source_hash("cpu") != build.source_hash("cuda")
+
+
+# ------------------------------------------------------------------ PAGED_SERVE_CPU_ARCH
+ARCH_FLAGS = [
+    ("native", "x86_64", ("-O3", "-march=native", "-fopenmp-simd")),
+    ("portable", "x86_64", ("-O3", "-march=x86-64-v2", "-fopenmp-simd")),
+    ("portable", "aarch64", ("-O3", "-march=armv8-a", "-fopenmp-simd")),
+    ("portable", "riscv64", ("-O3", "-fopenmp-simd")),  # no known baseline: the compiler's default
+    ("x86-64-v3", "x86_64", ("-O3", "-march=x86-64-v3", "-fopenmp-simd")),
+]
+
+
+@pytest.mark.parametrize(("arch", "machine", "flags"), ARCH_FLAGS)
+def test_cpu_flags_per_setting(arch, machine, flags):
+    assert build.cpu_flags(arch, machine) == flags
+
+
+@pytest.mark.parametrize(("value", "arch"), [(None, "native"), ("", "native"), ("portable", "portable"),
+                                             (" x86-64-v3 ", "x86-64-v3")])
+def test_cpu_arch_setting(monkeypatch, value, arch):
+    if value is None:
+        monkeypatch.delenv(build.CPU_ARCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(build.CPU_ARCH_ENV, value)
+    assert build.cpu_arch() == arch
+
+
+def test_cpu_arch_setting_rejects_a_flag_injection(monkeypatch):
+    monkeypatch.setenv(build.CPU_ARCH_ENV, "native -fno-builtin")
+    with pytest.raises(ValueError, match="PAGED_SERVE_CPU_ARCH"):
+        build.cpu_arch()
+
+
+def test_cache_key_has_the_cpu_model_only_for_native(monkeypatch):
+    """A native build is keyed by this CPU (another CPU builds its own); a portable one is not,
+    so a library built in an image loads on any host of the same architecture."""
+    keys = {}
+    for cpu in ("model name: CPU A\nflags: sse avx2", "model name: CPU B\nflags: sse"):
+        monkeypatch.setattr(build, "_cpu_signature", lambda cpu=cpu: cpu)
+        keys[cpu] = {arch: build.source_hash("cpu", arch) for arch in ("native", "portable", "x86-64-v3")}
+    a, b = keys.values()
+    assert a["native"] != b["native"]
+    assert a["portable"] == b["portable"] and a["x86-64-v3"] == b["x86-64-v3"]
+    assert len({a["native"], a["portable"], a["x86-64-v3"]}) == 3
+    monkeypatch.setattr(build.platform, "machine", lambda: "aarch64")
+    assert build.source_hash("cpu", "portable") != a["portable"]  # still keyed by the architecture
+
+
+def test_source_hash_follows_the_setting(monkeypatch):
+    monkeypatch.setenv(build.CPU_ARCH_ENV, "portable")
+    assert build.source_hash("cpu") == build.source_hash("cpu", "portable")
+    monkeypatch.delenv(build.CPU_ARCH_ENV)
+    assert build.source_hash("cpu") == build.source_hash("cpu", "native")
+
+
+V3_HOST = set(build.X86_64_LEVELS["x86-64-v2"] + build.X86_64_LEVELS["x86-64-v3"])
+
+
+@pytest.mark.parametrize(("arch", "flags", "missing"), [
+    ("portable", V3_HOST, []),
+    ("x86-64-v3", V3_HOST, []),
+    ("x86-64-v4", V3_HOST, list(build.X86_64_LEVELS["x86-64-v4"])),
+    ("x86-64-v3", V3_HOST - {"avx2", "fma"}, ["avx2", "fma"]),
+    ("portable", V3_HOST - {"sse4_2"}, ["sse4_2"]),  # e.g. a VM with QEMU's default CPU model
+    ("native", set(), []),
+    ("znver3", set(), []),  # not a level: the operator's word is taken
+])
+def test_missing_cpu_features(monkeypatch, arch, flags, missing):
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    assert build.missing_cpu_features(arch, flags) == missing
+
+
+def test_load_refuses_a_target_this_cpu_lacks(monkeypatch):
+    """Refused before any compiler runs; cuda_ext.ops then falls back to the reference."""
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(build, "_cpuinfo_flags", lambda: V3_HOST - {"avx2"})
+    monkeypatch.setenv(build.CPU_ARCH_ENV, "x86-64-v3")
+    with pytest.raises(RuntimeError, match="no avx2"):
+        build.load("cpu")
+
+
+PORTABLE_RUN = """
+import torch
+from cuda_ext import build, ops, reference
+assert ops.backend() == "cpu"
+torch.manual_seed(0)
+kc, vc = torch.randn(8, 2, 4, 32), torch.randn(8, 2, 4, 32)
+q = torch.randn(3, 4, 32)
+tables = torch.tensor([[5, 1, 7], [0, 2, 3], [6, 4, 0]], dtype=torch.int32)
+lens = torch.tensor([9, 12, 1], dtype=torch.int32)
+out, ref = torch.empty_like(q), torch.empty_like(q)
+ops.paged_attention(out, q, kc, vc, tables, lens, 32 ** -0.5, 12)
+reference.paged_attention(ref, q, kc, vc, tables, lens, 32 ** -0.5, 12)
+torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+print(build.load("cpu"))
+"""
+
+
+@pytest.mark.skipif(build.PORTABLE_MARCH.get(platform.machine().lower()) != "x86-64-v2", reason="x86-64 only")
+def test_portable_build_runs_and_uses_no_avx(tmp_path):
+    """A real portable build into an empty cache (about 10 s): it loads, matches the reference,
+    and its code has no AVX instructions (no ymm/zmm registers), so it runs on any x86-64-v2."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGED_SERVE_EXT_CACHE": str(tmp_path),
+           build.CPU_ARCH_ENV: "portable", "PAGED_SERVE_OPS": "compiled", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", PORTABLE_RUN], env=env, capture_output=True, text=True,
+                            timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    build_dir = Path(result.stdout.strip().splitlines()[-1])
+    assert build_dir.parent == tmp_path and build_dir.name.endswith(build.source_hash("cpu", "portable"))
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump to inspect the library")
+    library = next(build_dir.glob("*.so"))
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(library)], capture_output=True, text=True,
+                         check=True).stdout
+    assert "%xmm" in asm  # vectorised with SSE
+    assert "%ymm" not in asm and "%zmm" not in asm
