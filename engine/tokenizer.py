@@ -9,10 +9,13 @@ tokens and is not complete yet).
 from __future__ import annotations
 
 import os
+import re
 
 from jinja2 import TemplateError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+# Tool-calling keys a message keeps for the template (assistant tool_calls, a tool result's id and name).
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
 # Prompt tokens decoded ahead of the first generated one, so that the first piece of text
 # starts right (a leading space, a character whose bytes began in the prompt).
 _PROMPT_CONTEXT = 5
@@ -45,12 +48,24 @@ def _resolve_template(template: str) -> str:
     return template
 
 
+def template_supports_tools(tokenizer, chat_template: str | None = None) -> bool:
+    """Whether the chat template (`chat_template`, else the tokenizer's) renders a `tools` list."""
+    template = _resolve_template(chat_template) if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates; HF picks "tool_use" when tools are given
+        template = " ".join(str(t) for t in template.values())
+    return isinstance(template, str) and re.search(r"\btools\b", template) is not None
+
+
 def apply_chat_template(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
+    tools: list[dict] | None = None,
 ) -> str:
     """Render OpenAI-style chat messages into one prompt string with the chat template.
 
     Content given as a list of {"type": "text", "text": ...} parts is joined with newlines.
+    Assistant messages may carry `tool_calls` (content may then be None) and "tool" messages a
+    `tool_call_id`; both are passed to the template as they are, and so is `tools` (OpenAI-style
+    function definitions), for templates that render them (`template_supports_tools`).
     Raises ValueError (with a message fit for the user) on a bad role or content, or when
     there is no template. The result already holds the template's special tokens, so tokenize
     it without adding more (add_special_tokens=False).
@@ -63,7 +78,8 @@ def apply_chat_template(
     conversation = [_normalize_message(i, m) for i, m in enumerate(_as_list(messages))]
     try:
         prompt = tokenizer.apply_chat_template(
-            conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **({"tools": tools} if tools else {}),
         )
     except TemplateError as e:  # includes the template's own raise_exception(...)
         raise ValueError(f"the chat template rejected these messages: {e}") from e
@@ -84,11 +100,12 @@ def _normalize_message(index: int, message) -> dict:
     role = message.get("role")
     if role not in ROLES:
         raise ValueError(f"messages[{index}].role must be one of {', '.join(ROLES)}; got {role!r}")
+    extra = {k: message[k] for k in _TOOL_KEYS if message.get(k) is not None and (k != "name" or role == "tool")}
     content = message.get("content")
     if content is None and role == "assistant":
         content = ""  # an assistant turn may have no text (OpenAI allows null there)
     if isinstance(content, str):
-        return {"role": role, "content": content}
+        return {"role": role, "content": content, **extra}
     if isinstance(content, (list, tuple)):
         texts = []
         for j, part in enumerate(content):
@@ -99,7 +116,7 @@ def _normalize_message(index: int, message) -> dict:
             if not isinstance(text, str):
                 raise ValueError(f"messages[{index}].content[{j}].text must be a string")
             texts.append(text)
-        return {"role": role, "content": "\n".join(texts)}
+        return {"role": role, "content": "\n".join(texts), **extra}
     raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
 
 

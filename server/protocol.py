@@ -89,10 +89,47 @@ class TextPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    # NOTE: OpenAI sends a JSON string; an object is accepted too (some clients send one).
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCall(_Request):
+    """A past tool call in an assistant message of the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this result answers
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of type object
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -101,8 +138,12 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    # Tool calling (server/tools.py). tool_choice defaults to "auto" when tools are given.
+    tools: list[ChatTool] | None = None
+    # NOTE: "none" | "auto" | "required" | NamedToolChoice, checked in server/tools.py so that
+    # a bad value is a 400 with param "tool_choice" (not a path through the union's members).
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None  # accepted; each choice makes at most one call
 
 
 class TokenizeRequest(_Request):
@@ -178,9 +219,21 @@ class ChatChoiceLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallResponse(_Response):
+    name: str
+    arguments: str  # a JSON object, serialised
+
+
+class ToolCallResponse(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallResponse
+
+
 class ResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallResponse] | None = None
 
 
 class ChatCompletionChoice(_Response):
@@ -201,9 +254,22 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None  # a fragment; the fragments of one call join into its JSON
+
+
+class DeltaToolCall(_Response):
+    index: int  # which call of the choice (always 0: one call per choice)
+    id: str | None = None  # first delta of a call only
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Response):
