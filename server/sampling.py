@@ -10,6 +10,7 @@ from server.errors import bad_request, from_value_error
 from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from server.settings import ServerSettings
 from server.structured import guided_decoding
+from server.tools import ToolPlan
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -148,10 +149,22 @@ def _prompt_logprobs(req: CompletionRequest, settings: ServerSettings) -> int:
     return n
 
 
-def chat_params(req: ChatCompletionRequest, settings: ServerSettings, vocab_size: int | None) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, settings: ServerSettings, vocab_size: int | None,
+                tools: ToolPlan | None = None) -> SamplingParams:
+    """`tools`: the request's checked tool plan (server/tools.py), whose constraint, if any,
+    becomes the guided decoding."""
     kwargs = _common_checks(req, settings, vocab_size)
-    if req.tools:
-        raise bad_request("tools are not supported by this server.", param="tools")
+    if tools is not None and tools.mode != "none" and tools.functions:
+        if "guided_decoding" in kwargs:
+            other = next(f for f in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                     "guided_choice", "guided_grammar") if getattr(req, f, None) not in (None, {"type": "text"}))
+            raise bad_request(f"tools cannot be combined with {other}: both constrain the answer "
+                              "(use tool_choice \"none\" to keep the tools as a description only).", param=other)
+        if tools.guided is not None:
+            if req.use_beam_search:
+                raise bad_request("use_beam_search cannot be combined with tool_choice required or a named tool.",
+                                  param="use_beam_search")
+            kwargs["guided_decoding"] = tools.guided
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = _default_max_tokens(None, settings)

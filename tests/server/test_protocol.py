@@ -57,7 +57,7 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2047}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools.0.function"),
     ({"messages": "hello"}, "messages"),
 ]
 
