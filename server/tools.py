@@ -265,6 +265,20 @@ def parse_tool_call(text: str, names: frozenset[str] | set[str]) -> tuple[str, s
     return obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)
 
 
+def partial_call(text: str, names: frozenset[str] | set[str]) -> tuple[str, str] | None:
+    """For a constrained answer cut short (max_tokens, a stop string): (name, the arguments'
+    text so far) once the text has passed `{"name": <a known tool>, "arguments": `; else None.
+    What a streamed call would have sent by then, so both answers agree."""
+    head = _HEAD.match(text)
+    if head is None:
+        return None
+    try:
+        name = json.loads(head.group(1))
+    except ValueError:
+        return None
+    return (name, text[head.end():]) if name in names else None
+
+
 class CallStreamer:
     """One choice's streamed tool call, from the growing output text of a constrained
     ("required" / named) generation: the call's id and name once the text has passed

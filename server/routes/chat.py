@@ -38,7 +38,16 @@ from server.protocol import (
 from server.routes.common import require_ready
 from server.sampling import chat_params
 from server.streaming import SSE_HEADERS, sse, sse_body
-from server.tools import CallStreamer, ToolPlan, may_be_call, new_call_id, parse_tool_call, plan_tools, prompt_renderer
+from server.tools import (
+    CallStreamer,
+    ToolPlan,
+    may_be_call,
+    new_call_id,
+    parse_tool_call,
+    partial_call,
+    plan_tools,
+    prompt_renderer,
+)
 
 router = APIRouter()
 
@@ -111,12 +120,18 @@ def _decode_one(ctx: ServerContext):
 
 
 def _answer(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[ResponseMessage, str | None]:
-    """A finished choice's message: a tool call when the plan reads calls and `text` is one."""
+    """A finished choice's message: a tool call when the plan reads calls and `text` is one.
+    A constrained call cut short keeps the engine's finish_reason ("length") and the arguments
+    so far, as OpenAI answers a truncated call (and as the stream of it showed)."""
     call = parse_tool_call(text, plan.names) if plan.parses else None
+    if call is not None:
+        finish_reason = plan.finish_reason
+    elif plan.guided is not None:
+        call = partial_call(text, plan.names)
     if call is None:
         return ResponseMessage(content=text), finish_reason
     tool_call = ToolCallResponse(id=new_call_id(), function=FunctionCallResponse(name=call[0], arguments=call[1]))
-    return ResponseMessage(content=None, tool_calls=[tool_call]), plan.finish_reason
+    return ResponseMessage(content=None, tool_calls=[tool_call]), finish_reason
 
 
 async def _full(ctx: ServerContext, params: SamplingParams, plan: ToolPlan, request_id: str, model: str,

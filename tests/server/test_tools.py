@@ -19,6 +19,7 @@ from server.tools import (
     call_schema,
     may_be_call,
     parse_tool_call,
+    partial_call,
     plan_tools,
     prompt_renderer,
     text_messages,
@@ -121,6 +122,16 @@ def test_streamed_argument_fragments_join_into_the_call(step):
     call, rest = streamer.finish()
     assert names == ["get_weather"] and call == parse_tool_call(text, NAMES)
     assert "".join(fragments) + rest == call[1]
+
+
+def test_partial_call_is_what_a_stream_sent():
+    text = '{"name": "get_weather", "arguments": {"city": "Par'
+    assert partial_call(text, NAMES) == ("get_weather", '{"city": "Par')
+    assert partial_call('{"name": "get_wea', NAMES) is None and partial_call(text, {"other"}) is None
+    streamer = CallStreamer(NAMES)
+    sent = "".join(streamer.feed(text[i:i + 4])[1] for i in range(0, len(text), 4))
+    call, rest = streamer.finish()
+    assert call is None and sent + rest == partial_call(text, NAMES)[1]
 
 
 def test_may_be_call():
@@ -244,6 +255,30 @@ def test_streamed_required_call_equals_the_whole_one(client, model):
     assert "".join(d.function.arguments or "" for d in calls) == whole.message.tool_calls[0].function.arguments
     assert not any(c.choices[0].delta.content for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def streamed_answer(chunks) -> tuple[str | None, str | None, str | None]:
+    """(content, tool name, arguments) joined from a stream's deltas."""
+    deltas = [c.choices[0].delta for c in chunks]
+    calls = [d for delta in deltas for d in (delta.tool_calls or [])]
+    content = "".join(d.content or "" for d in deltas) or None
+    if not calls:
+        return content, None, None
+    return content, calls[0].function.name, "".join(d.function.arguments or "" for d in calls)
+
+
+@pytest.mark.parametrize("max_tokens", [3, 14])
+def test_a_call_cut_short_is_length_and_streams_alike(client, model, max_tokens):
+    kwargs = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
+                  max_tokens=max_tokens)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    assert whole.finish_reason == chunks[-1].choices[0].finish_reason == "length"
+    if whole.message.tool_calls:  # the name was out: a call with the arguments so far
+        call = whole.message.tool_calls[0].function
+        assert whole.message.content is None and streamed_answer(chunks) == (None, call.name, call.arguments)
+    else:
+        assert streamed_answer(chunks) == (whole.message.content, None, None)
 
 
 def test_history_with_a_call_and_its_result_is_answered(client, model):
