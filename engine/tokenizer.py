@@ -50,7 +50,9 @@ def _resolve_template(template: str) -> str:
 
 def template_supports_tools(tokenizer, chat_template: str | None = None) -> bool:
     """Whether the chat template (`chat_template`, else the tokenizer's) renders a `tools` list."""
-    template = _resolve_template(chat_template) if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    template = getattr(tokenizer, "chat_template", None)
+    if chat_template is not None:
+        template = _resolve_template(chat_template)
     if isinstance(template, dict):  # named templates; HF picks "tool_use" when tools are given
         template = " ".join(str(t) for t in template.values())
     return isinstance(template, str) and re.search(r"\btools\b", template) is not None

@@ -156,8 +156,9 @@ def chat_params(req: ChatCompletionRequest, settings: ServerSettings, vocab_size
     kwargs = _common_checks(req, settings, vocab_size)
     if tools is not None and tools.mode != "none" and tools.functions:
         if "guided_decoding" in kwargs:
-            other = next(f for f in ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                                     "guided_choice", "guided_grammar") if getattr(req, f, None) not in (None, {"type": "text"}))
+            fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")
+            other = next(f for f in fields if getattr(req, f, None) not in (None, {"type": "text"}))
             raise bad_request(f"tools cannot be combined with {other}: both constrain the answer "
                               "(use tool_choice \"none\" to keep the tools as a description only).", param=other)
         if tools.guided is not None:

@@ -92,8 +92,8 @@ def plan_tools(req: Any) -> ToolPlan:
         try:
             choice = NamedToolChoice.model_validate(choice)
         except ValidationError:
-            raise bad_request('tool_choice must be "none", "auto", "required" or '
-                              '{"type": "function", "function": {"name": <a tool name>}}.', param="tool_choice") from None
+            message = 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.'
+            raise bad_request(message, param="tool_choice") from None
         mode, named = "named", choice.function.name
     if mode in ("required", "named") and not functions:
         raise bad_request(f"tool_choice {_show(choice)} needs tools.", param="tool_choice")

@@ -105,8 +105,8 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     messages = to_template_messages(req.messages)
     params = chat_params(req, ctx.settings, ctx.vocab_size, plan)
     request_id = random_id("chatcmpl")
-    streams = await start_requests(ctx.engine, request_id, [prompt_renderer(messages, plan, ctx.settings.chat_template)],
-                                   params, prompt_param="messages")
+    prompt = prompt_renderer(messages, plan, ctx.settings.chat_template)
+    streams = await start_requests(ctx.engine, request_id, [prompt], params, prompt_param="messages")
     top_n = req.top_logprobs or 0
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -191,7 +191,8 @@ def test_prompt_uses_the_templates_tools_or_the_block(tokenizer):
               "{% for c in m.tool_calls or [] %}<call {{ c.function.name }} {{ c.function.arguments | tojson }}>"
               "{% endfor %}{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}|{% endfor %}")
     text = prompt_renderer(history, p, native)(_Engine(tokenizer))
-    assert text == '[tool get_weather][tool get_time][user] hi|[assistant] <call get_time {"zone": "UTC"}>|[tool] 12:00(c)|'
+    assert text == ('[tool get_weather][tool get_time][user] hi|[assistant] <call get_time {"zone": "UTC"}>|'
+                    "[tool] 12:00(c)|")
     plain = [{"role": "user", "content": "hi"}]
     assert prompt_renderer(plain, plan(), None)(_Engine(tokenizer)) == _Engine(tokenizer).chat_prompt(plain)
 
