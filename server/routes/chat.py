@@ -53,7 +53,8 @@ router = APIRouter()
 
 
 def to_template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Plain `{role, content}` dicts for the chat template; text parts are joined by newlines.
+    """Plain `{role, content}` dicts for the chat template; text parts are joined by newlines,
+    a "developer" message becomes a "system" one.
     An assistant message keeps its `tool_calls` (arguments as an object where they parse as
     one, as HF templates expect), a tool message its `tool_call_id` (required) and `name`."""
     result = []
@@ -67,7 +68,10 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict]:
                                       param=f"messages.{i}.content")
                 texts.append(part.text)
             content = "\n".join(texts)
-        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        # NOTE: OpenAI's "developer" role (newer SDKs send it) is the system prompt by another
+        # name; chat templates know only "system".
+        role = "system" if message.role == "developer" else message.role
+        entry: dict[str, Any] = {"role": role, "content": content or ""}
         if message.role == "tool":
             if not message.tool_call_id:
                 raise bad_request("a tool message needs the tool_call_id of the call it answers.",

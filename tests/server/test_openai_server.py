@@ -362,3 +362,11 @@ def test_disconnect_non_streaming_frees_the_pool(url):
         httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True},
                    timeout=1.5)
     wait_pool_free(url)
+
+
+def test_developer_role_is_the_system_prompt(url, client, model):
+    system = [{"role": "system", "content": "Answer in French."}, *MESSAGES]
+    developer = [{"role": "developer", "content": "Answer in French."}, *MESSAGES]
+    assert tokenize(url, messages=developer) == tokenize(url, messages=system)
+    r = client.chat.completions.create(model=model, messages=developer, max_tokens=2, temperature=0)
+    assert r.choices[0].message.content
