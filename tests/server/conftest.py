@@ -98,6 +98,24 @@ def real_server():
     assert code == 0, server.log()[-4000:]
 
 
+@pytest.fixture(scope="session")
+def url(real_server) -> str:
+    return real_server.url
+
+
+@pytest.fixture(scope="session")
+def client(url):
+    """The official `openai` client on the session's real server (no retries: errors show)."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
 def pytest_collection_modifyitems(config, items):
     if "slow" in (config.getoption("markexpr") or ""):
         return

@@ -23,21 +23,6 @@ N_TOK = 8
 
 
 @pytest.fixture(scope="module")
-def url(real_server) -> str:
-    return real_server.url
-
-
-@pytest.fixture(scope="module")
-def client(url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def greedy(client, model):
     """The reference greedy completion of PROMPT (N_TOK tokens, with logprobs)."""
     return client.completions.create(model=model, prompt=PROMPT, max_tokens=N_TOK, temperature=0, logprobs=3)

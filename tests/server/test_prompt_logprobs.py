@@ -5,23 +5,12 @@ capped like logprobs. Short generations: 2 CPU cores."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from tests.server.support import assert_error, post, wait_pool_free
 
 PROMPT = "A lighthouse keeper wrote in the logbook that the storm"
 N_TOK = 3
-
-
-@pytest.fixture(scope="module")
-def client(real_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def n_prompt_tokens(real_server, prompt=PROMPT) -> int:

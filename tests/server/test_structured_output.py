@@ -8,7 +8,6 @@ import json
 import re
 
 import httpx
-import openai
 import pytest
 
 from tests.server.support import sse_events, wait_pool_free
@@ -23,21 +22,6 @@ PERSON = {
     "additionalProperties": False,
 }
 MESSAGES = [{"role": "user", "content": "Describe a person called Ann as JSON."}]
-
-
-@pytest.fixture(scope="module")
-def url(real_server) -> str:
-    return real_server.url
-
-
-@pytest.fixture(scope="module")
-def client(url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def test_chat_json_schema(client, model):

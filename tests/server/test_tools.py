@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
 from engine.structured_output import GuidedDecoding, validate
@@ -198,21 +197,6 @@ def test_prompt_uses_the_templates_tools_or_the_block(tokenizer):
 
 
 # --------------------------------------------------------------------- the real server
-@pytest.fixture(scope="module")
-def url(real_server) -> str:
-    return real_server.url
-
-
-@pytest.fixture(scope="module")
-def client(url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def check_arguments(name: str, arguments: str) -> None:
     """The arguments parse and match the tool's schema (types, required keys, nothing else)."""
     args = json.loads(arguments)
