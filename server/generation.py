@@ -18,6 +18,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from server.context import ServerContext
 from server.errors import OpenAIError, from_engine_error, from_value_error
+from server.protocol import UsageInfo
 
 
 async def start_requests(engine: AsyncEngine, base_id: str, prompts: list[PromptLike],
@@ -111,9 +112,11 @@ class DeltaTracker:
         self.cursors: dict[int, ChoiceCursor] = {}
         self.prompt_tokens: dict[int, int] = {}
         self.completion_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
 
     def deltas(self, prompt_index: int, output: RequestOutput) -> list[Delta]:
         self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+        self.cached_tokens[prompt_index] = output.num_cached_tokens
         result = []
         for choice in output.outputs:
             index = prompt_index * self.n + choice.index
@@ -135,8 +138,9 @@ class DeltaTracker:
                                 choice.stop_reason, first))
         return result
 
-    def usage(self) -> tuple[int, int]:
-        return sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())
+    def usage(self) -> UsageInfo:
+        return UsageInfo.of(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()),
+                            sum(self.cached_tokens.values()))
 
 
 async def collect(streams: list[RequestStream]) -> list[RequestOutput]:

@@ -41,9 +41,7 @@ async def sse_body(ctx: ServerContext, streams: list[RequestStream], chunks: Asy
         async for chunk in chunks:
             yield chunk
         if usage_chunk is not None:
-            prompt_tokens, completion_tokens = tracker.usage()
-            yield usage_chunk(UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                        total_tokens=prompt_tokens + completion_tokens))
+            yield usage_chunk(tracker.usage())
         yield DONE
     except asyncio.CancelledError:
         ctx.client_disconnected()

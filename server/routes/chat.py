@@ -153,8 +153,7 @@ async def _full(ctx: ServerContext, params: SamplingParams, plan: ToolPlan, requ
             choices.append(ChatCompletionChoice(index=choice.index, message=message, logprobs=logprobs,
                                                 finish_reason=finish_reason, stop_reason=choice.stop_reason))
         prompt_tokens = len(output.prompt_token_ids)
-        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)
+        usage = UsageInfo.of(prompt_tokens, completion_tokens, output.num_cached_tokens)
         response = ChatCompletionResponse(id=request_id, created=now(), model=model, choices=choices, usage=usage)
         return JSONResponse(response.model_dump())
     except (asyncio.CancelledError, OpenAIError):

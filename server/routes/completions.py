@@ -105,9 +105,10 @@ async def _full(ctx: ServerContext, req: CompletionRequest, params: SamplingPara
                 model: str, streams: list[RequestStream], echo_texts: list[str] | None) -> Response:
     try:
         finals = await collect(streams)
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
         for p, output in enumerate(finals):
             prompt_tokens += len(output.prompt_token_ids)
+            cached_tokens += output.num_cached_tokens
             for choice in sorted_choices(output):
                 completion_tokens += len(choice.token_ids)
                 echo = echo_texts[p] if echo_texts is not None else None
@@ -118,8 +119,7 @@ async def _full(ctx: ServerContext, req: CompletionRequest, params: SamplingPara
                                                 logprobs=logprobs, finish_reason=choice.finish_reason,
                                                 stop_reason=choice.stop_reason))
         choices.sort(key=lambda c: c.index)
-        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)
+        usage = UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens)
         response = CompletionResponse(id=request_id, created=now(), model=model, choices=choices, usage=usage)
         return JSONResponse(response.model_dump())
     except asyncio.CancelledError:

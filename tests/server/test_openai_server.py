@@ -355,3 +355,21 @@ def test_developer_role_is_the_system_prompt(url, client, model):
     assert tokenize(url, messages=developer) == tokenize(url, messages=system)
     r = client.chat.completions.create(model=model, messages=developer, max_tokens=2, temperature=0)
     assert r.choices[0].message.content
+
+
+def test_usage_reports_prefix_cached_prompt_tokens(client, model):
+    # A prompt no other test sends: cold the first time, then served from the prefix cache
+    # in whole blocks (16 tokens each), the last block always computed.
+    prompt = "Usage accounting check: " + " ".join(f"item{i}" for i in range(40))
+    cold = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+    warm = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < warm.usage.prompt_tokens and cached % 16 == 0
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    chat = [{"role": "user", "content": prompt}]
+    client.chat.completions.create(model=model, messages=chat, max_tokens=1, temperature=0)
+    again = client.chat.completions.create(model=model, messages=chat, max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
