@@ -31,7 +31,7 @@ from multiprocessing import connection as mp_connection
 from engine import parallel, worker
 from engine.cache_engine import CacheEngine
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner, StepInput
+from engine.model_runner import ModelRunner, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +59,9 @@ class Executor(abc.ABC):
         """Allocate the KV pools on every rank; returns the driver's (for its sizes)."""
 
     @abc.abstractmethod
-    def execute(self, step: StepInput) -> torch.Tensor:
-        """Run one step; float32 logits on the driver's device, laid out as
-        `ModelRunner.execute` says ([len(step.seqs) + step.num_extra_logit_rows, vocab])."""
+    def execute(self, step: StepInput) -> StepOutput:
+        """Run one step on every rank; the driver's `StepOutput` (see `ModelRunner.execute`),
+        its logits on the driver's device."""
 
     def check_health(self) -> None:
         """Raise `WorkerDiedError` if the executor cannot run steps any more."""
@@ -90,7 +90,7 @@ class LocalExecutor(Executor):
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:
         return self.runner.init_cache(num_gpu_blocks, num_cpu_blocks)
 
-    def execute(self, step: StepInput) -> torch.Tensor:
+    def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
 
 
@@ -192,10 +192,10 @@ class MultiProcessExecutor(Executor):
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:
         return self._call("init_cache", num_gpu_blocks, num_cpu_blocks)
 
-    def execute(self, step: StepInput) -> torch.Tensor:
+    def execute(self, step: StepInput) -> StepOutput:
         if not (step.seqs or step.blocks_to_swap_in or step.blocks_to_swap_out or step.blocks_to_copy):
             self.check_health()
-            return torch.empty(0, self.config.model.hf_config.vocab_size)
+            return StepOutput(torch.empty(0, self.config.model.hf_config.vocab_size))
         return self._call("execute", step)
 
     def check_health(self) -> None:

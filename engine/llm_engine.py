@@ -170,12 +170,13 @@ class LLMEngine:
             if s.group.metrics.first_scheduled_time is None:
                 s.group.metrics.first_scheduled_time = scheduled_at
         step_input = StepInput.from_scheduler_output(sched, prompt_logprobs.wanted(sched))
-        logits = self.executor.execute(step_input)
+        step_output = self.executor.execute(step_input)
         now = time.monotonic()
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
-        prompt_logprobs.assign(sched, step_input, logits, self.output_processor.logprob_entry, self._fail)
-        ttfts, itls = self._process_samples(sched, logits, now)
+        prompt_logprobs.assign(sched, step_input, step_output.prompt_scores, self.output_processor.logprob_entry,
+                               self._fail)
+        ttfts, itls = self._process_samples(sched, step_output.logits, now)
         self.scheduler.free_finished()
         touched = {id(s.group): s.group for s in sched.scheduled}
         # requests the scheduler dropped (can never fit) are finished too

@@ -1,4 +1,5 @@
-"""Turns a `StepInput` into batch tensors, runs the model, returns the logits.
+"""Turns a `StepInput` into batch tensors, runs the model, returns the logits (and, for
+prompt logprobs, the scores of every prompt token, reduced chunk by chunk; see `execute`).
 
 `StepInput` is the lean, picklable description of one step that the driver builds from the
 scheduler's output and, with tensor parallelism, sends to every worker: token ids, positions
@@ -30,9 +31,15 @@ from engine.models.layers import (
 )
 from engine.models.llama import model_class
 from engine.models.loader import load_weights
+from engine.sampler import SampleResult, score_tokens
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# Prompt-logprob rows that go through the LM head at a time (the default of
+# `StepInput.logit_chunk_rows`): the step's peak is this many full-vocabulary rows and a few
+# temporaries of that size, whatever the prompts' lengths.
+PROMPT_LOGPROB_CHUNK_ROWS = 256
 
 
 @dataclass
@@ -43,8 +50,9 @@ class SeqInput:
     start: int  # position of token_ids[0]: tokens of this sequence already in the cache
     block_table: list[int]  # physical block ids covering positions [0, start + len(token_ids))
     is_prefill: bool  # True when this step computes more than the last token
-    # Also return the logits of every other token this step computes (prompt logprobs).
-    all_logits: bool = False
+    # Prompt logprobs' k: also score token_ids[1:], each under the output at the position before
+    # it, with its k best alternatives (see `StepOutput.prompt_scores`). None: no scores.
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -55,23 +63,35 @@ class StepInput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    # Prompt-logprob rows per LM-head call. NOTE: sent with the step rather than read from each
+    # rank's module constant: every rank must make the same calls, since they gather vocab shards.
+    logit_chunk_rows: int = PROMPT_LOGPROB_CHUNK_ROWS
 
     @classmethod
-    def from_scheduler_output(cls, out: SchedulerOutput, all_logits: Collection[int] = ()) -> "StepInput":
-        """Read before the engine advances `num_computed_tokens` for this step. `all_logits`:
-        indices into `out.scheduled` of prefills that want the logits of every token they
-        compute, not just the last (see `ModelRunner.execute`)."""
+    def from_scheduler_output(cls, out: SchedulerOutput, prompt_logprobs: Collection[int] = ()) -> "StepInput":
+        """Read before the engine advances `num_computed_tokens` for this step.
+        `prompt_logprobs`: indices into `out.scheduled` of prefills whose computed tokens are
+        all scored with their request's `params.prompt_logprobs` alternatives (see
+        `ModelRunner.execute`)."""
         seqs = []
         for i, s in enumerate(out.scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
             ids = seq.token_ids[start:] if s.is_prefill else [seq.last_token_id]
-            seqs.append(SeqInput(ids, start, list(s.block_table), s.is_prefill, s.is_prefill and i in all_logits))
-        return cls(seqs, list(out.blocks_to_swap_in), list(out.blocks_to_swap_out), list(out.blocks_to_copy))
+            k = s.group.params.prompt_logprobs if s.is_prefill and i in prompt_logprobs else None
+            seqs.append(SeqInput(ids, start, list(s.block_table), s.is_prefill, k))
+        return cls(seqs, list(out.blocks_to_swap_in), list(out.blocks_to_swap_out), list(out.blocks_to_copy),
+                   PROMPT_LOGPROB_CHUNK_ROWS)
 
-    @property
-    def num_extra_logit_rows(self) -> int:
-        """Rows `ModelRunner.execute` returns past one per sequence (see there)."""
-        return sum(len(s.token_ids) - 1 for s in self.seqs if s.all_logits)
+
+@dataclass
+class StepOutput:
+    """What `ModelRunner.execute` returns for one step."""
+
+    logits: torch.Tensor  # float32 [len(step.seqs), vocab]: row i is the output at seqs[i]'s last token
+    # One per sequence of the step: for one with `prompt_logprobs` k, a SampleResult (raw
+    # logprob, rank, k alternatives) per token of token_ids[1:], in order; otherwise None. Only
+    # the driver (rank 0) scores: other ranks' results are never used, and hold None throughout.
+    prompt_scores: list[list[SampleResult] | None] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -117,22 +137,46 @@ class ModelRunner:
         return self.cache
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor:
-        """Runs the step; returns float32 logits [len(step.seqs) + step.num_extra_logit_rows,
-        vocab]: first one row per scheduled sequence (its last token's), then, for each
-        sequence with `all_logits` in step order, one row per other token it computed, in
-        position order (row j predicts the token after `start + j`). Mutates the KV pools only."""
+    def execute(self, step: StepInput) -> StepOutput:
+        """Runs the step; returns each sequence's last-token logits and, for sequences with
+        `prompt_logprobs`, the scores of their other computed tokens (`StepOutput`). Those rows
+        go through the LM head `step.logit_chunk_rows` at a time, each chunk reduced to its
+        scores at once, so no more full-vocabulary rows than that (or than sequences) exist at
+        any time. Every rank makes the same LM-head calls. Mutates the KV pools only."""
         cache = self.cache
         cache.swap_out(step.blocks_to_swap_out)
         cache.swap_in(step.blocks_to_swap_in)
         cache.copy(step.blocks_to_copy)
         if not step.seqs:
-            return torch.empty(0, self.config.hf_config.vocab_size)
-        input_ids, positions, meta, rows = self._prepare(step)
+            return StepOutput(torch.empty(0, self.config.hf_config.vocab_size))
+        input_ids, positions, meta, last_rows, extra_rows = self._prepare(step)
         hidden = self.model(input_ids, positions, meta, cache.kv_caches)
-        # NOTE: only the rows asked for go through the LM head: a full-vocabulary row for every
-        # prompt token of every request would be len(prompt) x vocab floats each.
-        return self.model.compute_logits(hidden[rows]).float()
+        logits = self.model.compute_logits(hidden[last_rows]).float()
+        return StepOutput(logits, self._prompt_scores(step, hidden, extra_rows))
+
+    def _prompt_scores(self, step: StepInput, hidden: torch.Tensor, rows: torch.Tensor):
+        """`StepOutput.prompt_scores`; `rows` indexes `hidden` at every scored token's
+        predecessor, in step order."""
+        wanted = [s for s in step.seqs if s.prompt_logprobs is not None]
+        targets = [t for s in wanted for t in s.token_ids[1:]]
+        num_top = [s.prompt_logprobs for s in wanted for _ in s.token_ids[1:]]
+        driver = parallel.rank() == 0
+        scores: list[SampleResult] = []
+        chunk = step.logit_chunk_rows
+        for c in range(0, len(targets), chunk):
+            # NOTE: chunks may span sequences; each is reduced to scores before the next exists.
+            logits = self.model.compute_logits(hidden[rows[c : c + chunk]])
+            if driver:
+                scores.extend(score_tokens(logits, targets[c : c + chunk], num_top[c : c + chunk]))
+        out: list[list[SampleResult] | None] = []
+        pos = 0
+        for s in step.seqs:
+            if s.prompt_logprobs is None or not driver:
+                out.append(None)
+            else:
+                out.append(scores[pos : pos + len(s.token_ids) - 1])
+                pos += len(s.token_ids) - 1
+        return out
 
     def _prepare(self, step: StepInput):
         bs = self.block_size
@@ -141,7 +185,7 @@ class ModelRunner:
         slots: list[int] = []
         prefills: list[PrefillSpan] = []
         last_rows: list[int] = []
-        extra_rows: list[int] = []  # the other computed tokens of sequences with all_logits
+        extra_rows: list[int] = []  # the other computed tokens of sequences with prompt_logprobs
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         for s in step.seqs:
@@ -153,7 +197,7 @@ class ModelRunner:
             pos.extend(positions)
             slots.extend(table[p // bs] * bs + p % bs for p in positions)
             last_rows.append(len(ids) - 1)
-            if s.all_logits:
+            if s.prompt_logprobs is not None:
                 extra_rows.extend(range(row0, len(ids) - 1))
             if s.is_prefill:
                 bt = torch.tensor(table, dtype=torch.int64, device=self.device) if start else None
@@ -179,7 +223,8 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.int64, device=dev),
             torch.tensor(pos, dtype=torch.int64, device=dev),
             meta,
-            torch.tensor(last_rows + extra_rows, dtype=torch.int64, device=dev),
+            torch.tensor(last_rows, dtype=torch.int64, device=dev),
+            torch.tensor(extra_rows, dtype=torch.int64, device=dev),
         )
 
 

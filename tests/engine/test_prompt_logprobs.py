@@ -2,13 +2,15 @@
 token's logprob and its k best alternatives equal HF transformers' log_softmax over the same
 prompt (fp32, CPU), alone and in a batch beside decodes; they are complete with prefix caching
 on and a repeated prompt, computed once across recompute preemptions, shared by n / best_of /
-beam samples, and present on a request's first output."""
+beam samples, and present on a request's first output; and the LM head sees at most a chunk of
+prompt rows at a time, whatever the prompt's length."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine import model_runner
 from engine.sampling_params import SamplingParams
 from tests.engine.prompts import prompt_of_length
 
@@ -154,3 +156,29 @@ def test_shared_by_samples_and_beams(make_llm, prompts, reference):
         assert got is final[rid].prompt_logprobs, f"{rid}: computed once, on the first output"
         assert len(final[rid].outputs) == requests[rid][1].n
         assert_matches_hf(got, ids, ref, label=rid)
+
+
+def test_lm_head_rows_bounded_by_chunk(make_llm, prompts, reference, monkeypatch):
+    """Peak memory is O(chunk x vocab), not O(prompt x vocab): with chunks of 16 rows, two
+    prompts of 130 and 37 tokens in one step (165 prompt rows, so chunks span both) never give
+    the LM head more than 16 rows at once, and their logprobs still equal HF's."""
+    chunk = 16
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_CHUNK_ROWS", chunk)
+    llm = make_llm(block_size=16)
+    model = llm.engine.executor.runner.model
+    calls: list[int] = []
+    compute_logits = model.compute_logits
+
+    def recording(hidden):
+        calls.append(hidden.shape[0])
+        return compute_logits(hidden)
+
+    monkeypatch.setattr(model, "compute_logits", recording)
+    ids = [prompts[2], prompts[1]]
+    outs = llm.generate(ids, [params(), params(prompt_logprobs=1)])
+    rows = len(ids[0]) - 1 + len(ids[1]) - 1
+    assert rows > 2 * chunk
+    assert max(calls) <= max(chunk, len(ids)), calls
+    assert sum(calls) >= rows and len(calls) >= rows // chunk, calls
+    assert_matches_hf(outs[0].prompt_logprobs, ids[0], reference[2], label="130 tokens, chunks of 16")
+    assert_matches_hf(outs[1].prompt_logprobs, ids[1], reference[1], k=1, label="37 tokens, chunks of 16")

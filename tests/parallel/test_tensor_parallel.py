@@ -20,6 +20,7 @@ import time
 import pytest
 import torch.multiprocessing as mp
 
+from engine import model_runner
 from engine.executor import WorkerDiedError, _free_port
 from engine.model_runner import StepInput
 from engine.sampling_params import SamplingParams
@@ -93,9 +94,12 @@ def test_tiny_4kv_tp2_equals_tp1_with_swaps_and_copies():
     compare(ours, reference, "tiny-4kv TP=2")
 
 
-def test_prompt_logprobs_tp2_equal_tp1():
+def test_prompt_logprobs_tp2_equal_tp1(monkeypatch):
     """Prompt logprobs need the LM head's rows for every prompt token: the request is marked in
-    the StepInput, so every rank gathers the same rows. Mixed with a request that asks for none."""
+    the StepInput, so every rank gathers the same rows. Mixed with a request that asks for none.
+    Chunks of 8 rows (set on the driver only; the StepInput carries it to the worker) make
+    several LM-head calls, some spanning two prompts, that both ranks must make in lockstep."""
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_CHUNK_ROWS", 8)
     prompts = [[(5 * i + j) % 1000 + 3 for j in range(20 + 7 * i)] for i in range(3)]
     with_pl = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
     params = [with_pl, greedy(2), with_pl]
