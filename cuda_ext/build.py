@@ -107,9 +107,11 @@ def cpu_flags(arch: str, machine: str | None = None) -> tuple[str, ...]:
     """The C++ compiler flags for a ``PAGED_SERVE_CPU_ARCH`` setting on this (or the given)
     machine architecture."""
     march = _march(arch, machine)
-    # NOTE: the order is part of the cache key; native keeps the key of the builds before
-    # PAGED_SERVE_CPU_ARCH existed, so existing caches stay valid.
-    return ("-O3",) + ((f"-march={march}",) if march else ()) + ("-fopenmp-simd",)
+    # NOTE: -fopenmp, not just -fopenmp-simd: at::parallel_for is a header template that runs
+    # its range serially unless the extension itself is compiled with OpenMP (_OPENMP). The
+    # extension then needs libgomp.so.1, which resolves to the copy torch has already loaded,
+    # so both share one thread pool and torch.set_num_threads governs the kernels too.
+    return ("-O3",) + ((f"-march={march}",) if march else ()) + ("-fopenmp",)
 
 
 # The x86-64 micro-architecture levels as /proc/cpuinfo flags (glibc's hwcaps checks; "pni" is
@@ -210,6 +212,7 @@ def load(kind: str) -> Path:
         sources=sources,
         extra_cflags=cflags + (["-DPAGED_SERVE_WITH_CUDA"] if kind == "cuda" else []),
         extra_cuda_cflags=list(CUDA_FLAGS),
+        extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         with_cuda=kind == "cuda",
         is_python_module=False,
