@@ -241,10 +241,16 @@ class ToolCallResponse(_Response):
     function: FunctionCallResponse
 
 
+def _omit_if_none():
+    """A field left out of the JSON while None (OpenAI leaves `tool_calls` out of a message or
+    delta that makes no call)."""
+    return Field(default=None, exclude_if=lambda v: v is None)
+
+
 class ResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCallResponse] | None = None
+    tool_calls: list[ToolCallResponse] | None = _omit_if_none()
 
 
 class ChatCompletionChoice(_Response):
@@ -280,7 +286,7 @@ class DeltaToolCall(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
+    tool_calls: list[DeltaToolCall] | None = _omit_if_none()
 
 
 class ChatStreamChoice(_Response):

@@ -230,6 +230,7 @@ def test_stream_framing_usage_and_indexes(url):
         assert len({chunk["id"] for chunk in chunks}) == 1
         for choice in chunk["choices"]:
             roles.setdefault(choice["index"], choice["delta"].get("role"))
+            assert "tool_calls" not in choice["delta"]  # OpenAI leaves it out when no call is made
             if choice["finish_reason"]:
                 finishes[choice["index"]] = choice["finish_reason"]
     assert roles == {0: "assistant", 1: "assistant"} and finishes == {0: "length", 1: "length"}
@@ -373,3 +374,9 @@ def test_usage_reports_prefix_cached_prompt_tokens(client, model):
     client.chat.completions.create(model=model, messages=chat, max_tokens=1, temperature=0)
     again = client.chat.completions.create(model=model, messages=chat, max_tokens=1, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_plain_chat_message_has_no_tool_calls_key(url):
+    body = {"messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+    message = post(url, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert set(message) == {"role", "content"}
