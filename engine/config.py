@@ -71,6 +71,7 @@ class SchedulerConfig:
     max_model_len: int
     preemption_mode: str  # "swap" (falls back to recompute) | "recompute"
     max_preemptions_per_request: int  # starvation bound: past it a request is not preempted again
+    enable_chunked_prefill: bool = False  # prefill a prompt over several steps when the budget is short
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     preemption_mode: str = "swap"
     max_preemptions_per_request: int = 8
+    enable_chunked_prefill: bool = False
     seed: int = 0
     tensor_parallel_size: int = 1
     extra: dict = field(default_factory=dict)
@@ -146,10 +148,12 @@ class EngineArgs:
         if max_model_len > model_max:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's maximum {model_max}")
         max_batched = self.max_num_batched_tokens or max(max_model_len, 2048)
-        if max_batched < max_model_len:
+        if max_batched < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_batched}")
+        if max_batched < max_model_len and not self.enable_chunked_prefill:
             raise ValueError(
                 f"max_num_batched_tokens ({max_batched}) must be at least max_model_len ({max_model_len}), "
-                "since a prompt is prefilled in one step"
+                "since a prompt is prefilled in one step (unless enable_chunked_prefill is on)"
             )
         model = ModelConfig(
             path=path,
@@ -175,5 +179,6 @@ class EngineArgs:
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,
             max_preemptions_per_request=self.max_preemptions_per_request,
+            enable_chunked_prefill=self.enable_chunked_prefill,
         )
         return EngineConfig(model, cache, scheduler, device, self.tensor_parallel_size)

@@ -21,7 +21,7 @@ ENGINE_FLAGS = (
     "model", "served_model_name", "tokenizer", "dtype", "device", "load_format", "max_model_len",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "swap_space", "num_gpu_blocks_override",
     "enable_prefix_caching", "kv_allocation", "max_num_seqs", "max_num_batched_tokens", "preemption_mode",
-    "max_preemptions_per_request", "seed", "tensor_parallel_size",
+    "max_preemptions_per_request", "enable_chunked_prefill", "seed", "tensor_parallel_size",
 )
 
 
@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-num-batched-tokens", type=int, default=None)
     eng.add_argument("--preemption-mode", default="swap", choices=["swap", "recompute"])
     eng.add_argument("--max-preemptions-per-request", type=int, default=8)
+    eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
+                     help="prefill long prompts over several steps, so --max-num-batched-tokens "
+                          "may be below --max-model-len and bounds each step")
     eng.add_argument("--seed", type=int, default=0)
     eng.add_argument("--tensor-parallel-size", type=int, default=1)
     return p

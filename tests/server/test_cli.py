@@ -64,3 +64,14 @@ def test_unknown_yaml_key_is_an_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--config", str(config)])
     assert "unknown setting 'prot'" in capsys.readouterr().err
+
+
+def test_chunked_prefill_flag_lets_the_step_budget_go_below_max_model_len():
+    assert parse_args([]).engine_args.enable_chunked_prefill is False
+    flags = ["--max-model-len", "2048", "--max-num-batched-tokens", "64"]
+    with pytest.raises(ValueError, match="must be at least max_model_len"):
+        parse_args(flags).engine_args.create_engine_config()
+    cli = parse_args([*flags, "--enable-chunked-prefill"])
+    assert cli.engine_args.enable_chunked_prefill is True
+    sched = cli.engine_args.create_engine_config().scheduler
+    assert (sched.enable_chunked_prefill, sched.max_num_batched_tokens, sched.max_model_len) == (True, 64, 2048)
