@@ -226,10 +226,13 @@ class BlockManager:
         (it still publishes its full blocks for others)."""
         return self.enable_prefix_caching and group.params.prompt_logprobs is None
 
-    def allocate(self, group: SequenceGroup) -> None:
+    def allocate(self, group: SequenceGroup, register: bool = True) -> None:
         """Give each waiting sequence a block table covering its tokens, reusing cached prefix
         blocks when prefix caching is on (not for prompt-logprob requests), and set
-        `num_computed_tokens` to the reused length. Assumes `can_allocate` said OK."""
+        `num_computed_tokens` to the reused length. Assumes `can_allocate` said OK.
+        `register`: publish the new full blocks' hashes now, as the step computes all of them;
+        False for a chunked prefill, whose blocks are registered once computed
+        (`register_full_blocks`)."""
         seqs = group.seqs_with_status(SequenceStatus.WAITING)
         n_shared = self._num_shared_prompt_blocks(group, seqs)
         first: list[Block] = []
@@ -258,7 +261,7 @@ class BlockManager:
             self.tables[seq.seq_id] = table
             if idx == 0:
                 first = table
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and register:
                 for block, (h, toks) in zip(table, hashes):
                     self.gpu.set_hash(block, h, toks)
 

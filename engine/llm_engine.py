@@ -130,6 +130,13 @@ class LLMEngine:
                 f"{len(token_ids) + n_out} tokens ({len(token_ids)} in the messages, {n_out} in the "
                 "completion). Please reduce the length of the messages or completion."
             )
+        sc = self.config.scheduler
+        too_long = len(token_ids) > sc.max_num_batched_tokens
+        if sc.enable_chunked_prefill and params.prompt_logprobs is not None and too_long:
+            raise ValueError(
+                f"prompt_logprobs needs the whole prompt in one step: at most max_num_batched_tokens="
+                f"{sc.max_num_batched_tokens} prompt tokens with chunked prefill, got {len(token_ids)}."
+            )
         bm = self.block_manager
         needed = bm.num_blocks_for(max(len(token_ids), bm.reserve_tokens or 0))
         if needed > bm.gpu.num_blocks:
@@ -172,13 +179,20 @@ class LLMEngine:
         step_input = StepInput.from_scheduler_output(sched, prompt_logprobs.wanted(sched))
         step_output = self.executor.execute(step_input)
         now = time.monotonic()
+        chunked = self.config.scheduler.enable_chunked_prefill
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
+            if chunked and s.is_prefill:
+                # NOTE: a chunked prompt's blocks get their prefix-cache hashes once computed
+                # (Scheduler: allocate(register=False)); before any fork shares them.
+                self.block_manager.register_full_blocks(s.seq, s.group.params.cache_salt)
         prompt_logprobs.assign(sched, step_input, step_output.prompt_scores, self.output_processor.logprob_entry,
                                self._fail)
         ttfts, itls = self._process_samples(sched, step_output.logits, now)
         self.scheduler.free_finished()
-        touched = {id(s.group): s.group for s in sched.scheduled}
+        # A request whose only work this step was a prefill chunk short of its prompt's end has
+        # nothing new to report.
+        touched = {id(s.group): s.group for s in sched.scheduled if s.samples or s.group.is_finished}
         # requests the scheduler dropped (can never fit) are finished too
         for rid, group in list(self.requests.items()):
             if group.is_finished and id(group) not in touched:
@@ -199,6 +213,8 @@ class LLMEngine:
         ttfts: list[float] = []
         itls: list[float] = []
         for i, s in enumerate(sched.scheduled):
+            if not s.samples:
+                continue  # a prefill chunk short of the prompt's end: its logits row is ignored
             if s.group.error is not None:
                 continue  # failed earlier in this step (its prompt logprobs): no sample
             if s.group.params.use_beam_search:
@@ -250,14 +266,15 @@ class LLMEngine:
         if m.first_token_time is None:
             m.first_token_time = now
             ttfts.append(now - m.arrival_time)
+            # NOTE: counted at the first sample, not at a prefill step: a chunked prompt may be
+            # preempted (and swapped) before its last chunk.
+            self._counters["prompt"] += len(group.prompt_token_ids)
         else:
             itls.append(now - m.last_token_time)
             m.inter_token_latencies.append(now - m.last_token_time)
         m.last_token_time = now
         m.num_generation_tokens += num_new_tokens
         self._counters["generation"] += num_new_tokens
-        if is_prefill and group.num_preemptions == 0:
-            self._counters["prompt"] += len(group.prompt_token_ids)
         for seq in group.seqs:
             if seq.status == SequenceStatus.RUNNING and seq.seq_id in self.block_manager.tables:
                 self.block_manager.register_full_blocks(seq, group.params.cache_salt)

@@ -46,7 +46,7 @@ PROMPT_LOGPROB_CHUNK_ROWS = 256
 class SeqInput:
     """One scheduled sequence, as the model sees it."""
 
-    token_ids: list[int]  # tokens whose K/V this step computes (the uncomputed tail; one when decoding)
+    token_ids: list[int]  # tokens whose K/V this step computes (the scheduled slice; one when decoding)
     start: int  # position of token_ids[0]: tokens of this sequence already in the cache
     block_table: list[int]  # physical block ids covering positions [0, start + len(token_ids))
     is_prefill: bool  # True when this step computes more than the last token
@@ -76,7 +76,7 @@ class StepInput:
         seqs = []
         for i, s in enumerate(out.scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
-            ids = seq.token_ids[start:] if s.is_prefill else [seq.last_token_id]
+            ids = seq.token_ids[start : start + s.num_tokens] if s.is_prefill else [seq.last_token_id]
             k = s.group.params.prompt_logprobs if s.is_prefill and i in prompt_logprobs else None
             seqs.append(SeqInput(ids, start, list(s.block_table), s.is_prefill, k))
         return cls(seqs, list(out.blocks_to_swap_in), list(out.blocks_to_swap_out), list(out.blocks_to_copy),
@@ -87,7 +87,9 @@ class StepInput:
 class StepOutput:
     """What `ModelRunner.execute` returns for one step."""
 
-    logits: torch.Tensor  # float32 [len(step.seqs), vocab]: row i is the output at seqs[i]'s last token
+    # float32 [len(step.seqs), vocab]: row i is the output at seqs[i]'s last token (the engine
+    # ignores it for a prefill chunk that stops short of the prompt's end)
+    logits: torch.Tensor
     # One per sequence of the step: for one with `prompt_logprobs` k, a SampleResult (raw
     # logprob, rank, k alternatives) per token of token_ids[1:], in order; otherwise None. Only
     # the driver (rank 0) scores: other ranks' results are never used, and hold None throughout.

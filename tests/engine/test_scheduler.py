@@ -9,13 +9,13 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SequenceGroup, SequenceStatus
 
 
 def make_scheduler(num_blocks=64, cpu_blocks=64, block_size=4, max_seqs=8, max_tokens=64,
-                   mode="swap", max_preemptions=8, prefix_caching=False) -> Scheduler:
-    cfg = SchedulerConfig(max_seqs, max_tokens, 64, mode, max_preemptions)
+                   mode="swap", max_preemptions=8, prefix_caching=False, chunked=False) -> Scheduler:
+    cfg = SchedulerConfig(max_seqs, max_tokens, 64, mode, max_preemptions, enable_chunked_prefill=chunked)
     return Scheduler(cfg, BlockManager(num_blocks, cpu_blocks, block_size, enable_prefix_caching=prefix_caching))
 
 
@@ -27,10 +27,14 @@ def group(rid: str, n_tokens: int, max_tokens: int = 4, t: float = 0.0, first: i
 
 
 def fake_step(sched: Scheduler):
-    """schedule, 'run' (mark computed, append a token), finish at max_tokens, free."""
+    """schedule, 'run' (mark computed, append a token unless a partial prefill chunk), finish at
+    max_tokens, free."""
     out = sched.schedule()
     for s in out.scheduled:
         s.seq.num_computed_tokens += s.num_tokens
+        if not s.samples:
+            assert s.is_prefill and s.seq.num_uncomputed_tokens > 0
+            continue
         assert s.seq.num_uncomputed_tokens == 0
         s.seq.output_token_ids.append(99)
         if len(s.seq.output_token_ids) >= s.group.max_tokens:
@@ -210,3 +214,126 @@ def test_admission_of_a_cached_prompt_shares_live_blocks():
     got = [(s.group.request_id, s.num_tokens, s.block_table) for s in out.scheduled]
     assert got == [("b", 1, [0, 1, 3]), ("a", 1, [0, 1, 2])]
     assert sched.block_manager.num_free_gpu_blocks == 0
+
+
+# ---------------------------------------------------------------- chunked prefill
+
+
+def chunks_of(out, rid: str) -> list[tuple[int, bool]]:
+    return [(s.num_tokens, s.samples) for s in out.scheduled if s.group.request_id == rid]
+
+
+@pytest.mark.parametrize("block_size, chunks", [(1, [31, 31, 8]), (4, [28, 28, 14])])
+def test_chunked_prefill_splits_a_long_prompt_around_running_decodes(block_size, chunks):
+    """Budget 32 and one running decode: a 70-token prompt is prefilled in chunks of what is left
+    (cut back to a block boundary), the decode runs in every step, and only the last chunk samples."""
+    sched = make_scheduler(num_blocks=128, block_size=block_size, max_tokens=32, chunked=True)
+    sched.add(group("a", 5, max_tokens=10, t=0))
+    fake_step(sched)
+    long = group("b", 70, max_tokens=2, t=1, first=100)
+    sched.add(long)
+    seen = []
+    for _ in range(len(chunks)):
+        out, _ = fake_step(sched)
+        assert chunks_of(out, "a") == [(1, True)]  # the decode keeps its pace
+        assert out.num_batched_tokens == 1 + chunks_of(out, "b")[0][0] <= 32
+        assert out.scheduled[0].group.request_id == "b" and out.scheduled[0].is_prefill
+        seen += chunks_of(out, "b")
+        assert long.seqs[0].status == SequenceStatus.RUNNING
+        # every prompt block was allocated at admission and stays allocated between chunks
+        assert len(sched.block_manager.block_table(long.seqs[0])) == -(-70 // block_size)
+    assert seen == [(n, i == len(chunks) - 1) for i, n in enumerate(chunks)]
+    assert long.seqs[0].output_token_ids == [99]
+    out, _ = fake_step(sched)
+    assert chunks_of(out, "b") == [(1, True)]  # now it decodes
+    run_to_completion(sched)
+    assert sched.block_manager.all_free()
+
+
+def test_chunked_prefill_off_waits_for_the_whole_budget():
+    sched = make_scheduler(block_size=4, max_tokens=32)
+    sched.add(group("a", 5, max_tokens=10, t=0))
+    fake_step(sched)
+    sched.add(group("b", 32, max_tokens=1, t=1, first=100))
+    for _ in range(9):  # 31 tokens left each step while "a" decodes
+        out, _ = fake_step(sched)
+        assert chunks_of(out, "b") == []
+    out, _ = fake_step(sched)  # "a" has finished
+    assert chunks_of(out, "b") == [(32, True)]
+
+
+def test_chunked_prefill_admits_prompt_logprob_requests_whole_only():
+    """Prompt logprobs need every prompt row in one step: such a request waits for the budget."""
+    sched = make_scheduler(block_size=4, max_tokens=32, chunked=True)
+    sched.add(group("a", 5, max_tokens=3, t=0))
+    fake_step(sched)
+    sched.add(group("p", 32, max_tokens=1, t=1, first=100, prompt_logprobs=1))
+    out, _ = fake_step(sched)
+    assert chunks_of(out, "p") == []
+    fake_step(sched)  # "a" finishes
+    out, _ = fake_step(sched)
+    assert chunks_of(out, "p") == [(32, True)]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preempted_partial_prefill_goes_on_prefilling(mode):
+    """A request preempted between its chunks: swapped, it comes back with its computed tokens and
+    goes on prefilling from there; recomputed, it starts again from its first token."""
+    # 23 blocks of 4 tokens. "old" (16 tokens, 4 blocks) decodes; "long" (76 tokens, 19 blocks)
+    # takes every other block at admission, so old's next block forces out the newest: "long".
+    sched = make_scheduler(num_blocks=23, block_size=4, max_tokens=16, mode=mode, chunked=True)
+    old = group("old", 15, max_tokens=10, t=0)
+    sched.add(old)
+    fake_step(sched)  # old: 16 tokens
+    long = group("long", 76, max_tokens=2, t=1, first=100)
+    sched.add(long)
+    out, _ = fake_step(sched)  # old: 17 tokens; long: chunk [0, 12) of a 15-token budget
+    assert chunks_of(out, "long") == [(12, False)]
+    out, _ = fake_step(sched)  # old needs a 5th block: none free
+    assert out.preempted == ["long"] and chunks_of(out, "long") == []
+    seq = long.seqs[0]
+    assert seq.num_computed_tokens == (12 if mode == "swap" else 0) and not seq.output_token_ids
+    assert seq.status == (SequenceStatus.SWAPPED if mode == "swap" else SequenceStatus.WAITING)
+    starts = []
+    while not seq.output_token_ids:
+        before = seq.num_computed_tokens
+        out, _ = fake_step(sched)
+        for n, _ in chunks_of(out, "long"):
+            starts.append((before, n))
+            assert out.scheduled[0].is_prefill
+    assert starts[0][0] == (12 if mode == "swap" else 0) and sum(n for _, n in starts) == 76 - starts[0][0]
+    run_to_completion(sched)
+    assert sched.block_manager.all_free()
+
+
+@pytest.mark.parametrize("prompt_len, steps", [
+    # 7 shared full prompt blocks (28 tokens): the second sample starts at 28 and joins in the
+    # step in which the first computes them
+    (30, [[(0, 0, 16, False)], [(0, 16, 15, True), (1, 28, 1, False)], [(1, 29, 2, True), (0, 31, 1, True)]]),
+    # only its last token to compute: it decodes once the first has computed the shared blocks
+    (28, [[(0, 0, 16, False)], [(0, 16, 13, True)], [(0, 29, 1, True), (1, 28, 1, True)]]),
+])
+def test_recomputed_samples_wait_for_the_shared_prompt_blocks(prompt_len, steps):
+    """Two samples of one request recomputed in chunks (budget 16) share the first one's prompt
+    blocks: the second computes nothing past them before the first has computed them (in the
+    same step at the latest: every layer writes the step's K/V before attending)."""
+    sched = make_scheduler(num_blocks=64, block_size=4, max_tokens=16, mode="recompute", chunked=True)
+    g = group("n2", prompt_len, max_tokens=8, t=0)
+    sched.add(g)
+    while not g.seqs[0].output_token_ids:
+        fake_step(sched)
+    bm = sched.block_manager
+    child = g.seqs[0].fork(1, None)
+    bm.fork(g.seqs[0], child)
+    g.seqs.append(child)
+    child.output_token_ids[-1] = 98  # the samples differ
+    sched._preempt(g, SchedulerOutput())
+    sched.running.remove(g)
+    seen = []
+    for _ in range(3):
+        before = {s.seq_id: s.num_computed_tokens for s in g.seqs}
+        out, _ = fake_step(sched)
+        seen.append([(s.seq.index, before[s.seq.seq_id], s.num_tokens, s.samples) for s in out.scheduled])
+    assert seen == steps
+    run_to_completion(sched)
+    assert bm.all_free()
