@@ -127,9 +127,9 @@ def test_preemption_during_a_partial_prefill(make_llm, hf_model, tokenizer, mode
         g = engine.requests.get("long")
         if g is None or g.seqs[0].output_token_ids:
             return
-        if g in engine.scheduler.swapped or g in engine.scheduler.waiting:
-            if g.metrics.first_scheduled_time is not None and not preempted_at:
-                preempted_at.append(g.seqs[0].num_computed_tokens)
+        out_of_running = g in engine.scheduler.swapped or g in engine.scheduler.waiting
+        if out_of_running and g.metrics.first_scheduled_time is not None and not preempted_at:
+            preempted_at.append(g.seqs[0].num_computed_tokens)
 
     done = step_all(engine, {0: [("long", long, greedy(8))]}, check)
     assert preempted_at == [96 if mode == "swap" else 0]
