@@ -208,8 +208,8 @@ class LLMEngine:
     def _process_samples(self, sched: SchedulerOutput, logits: torch.Tensor, now: float):
         # A request with best_of > 1 forks after its prompt step: its samples share the prompt's
         # blocks and each draws its first token from its own generator.
-        work: list[tuple[SequenceGroup, list[Sequence], int, bool]] = []  # group, seqs, logits row, prefill
-        beams: dict[str, tuple[SequenceGroup, list[tuple[Sequence, int]], bool]] = {}
+        work: list[tuple[SequenceGroup, list[Sequence], int]] = []  # group, seqs, logits row
+        beams: dict[str, tuple[SequenceGroup, list[tuple[Sequence, int]]]] = {}
         ttfts: list[float] = []
         itls: list[float] = []
         for i, s in enumerate(sched.scheduled):
@@ -218,25 +218,25 @@ class LLMEngine:
             if s.group.error is not None:
                 continue  # failed earlier in this step (its prompt logprobs): no sample
             if s.group.params.use_beam_search:
-                beams.setdefault(s.group.request_id, (s.group, [], s.is_prefill))[1].append((s.seq, i))
+                beams.setdefault(s.group.request_id, (s.group, []))[1].append((s.seq, i))
                 continue
             seqs = [s.seq]
             if not s.group.forked:
                 seqs += self._fork(s.seq, s.group, s.group.params.best_of - 1)
                 s.group.forked = True
-            work.append((s.group, seqs, i, s.is_prefill))
-        for group, seq_rows, is_prefill in beams.values():
-            self._beam_step(group, seq_rows, logits, is_prefill, now, ttfts, itls)
-        rows = [self._row(seq, group) for group, seqs, _, _ in work for seq in seqs]
+            work.append((s.group, seqs, i))
+        for group, seq_rows in beams.values():
+            self._beam_step(group, seq_rows, logits, now, ttfts, itls)
+        rows = [self._row(seq, group) for group, seqs, _ in work for seq in seqs]
         if not rows:
             return ttfts, itls
-        index = torch.tensor([i for _, seqs, i, _ in work for _ in seqs], device=logits.device)
+        index = torch.tensor([i for _, seqs, i in work for _ in seqs], device=logits.device)
         logits = logits.index_select(0, index)
-        flat = [seq for _, seqs, _, _ in work for seq in seqs]
+        flat = [seq for _, seqs, _ in work for seq in seqs]
         apply_grammar_masks(logits, [(k, seq.grammar) for k, seq in enumerate(flat) if seq.grammar is not None])
         samples = self._sample(logits, rows)
         k = 0
-        for group, seqs, _, is_prefill in work:
+        for group, seqs, _ in work:
             chunk = samples[k : k + len(seqs)]
             k += len(seqs)
             try:
@@ -244,22 +244,22 @@ class LLMEngine:
                     raise RuntimeError("sampling failed for this request")
                 for seq, sample in zip(seqs, chunk):
                     self._append(seq, group, sample)
-                self._record_progress(group, len(seqs), is_prefill, now, ttfts, itls)
+                self._record_progress(group, len(seqs), now, ttfts, itls)
             except Exception as e:  # one request's failure must not take the others down
                 self._fail(group, e)
         return ttfts, itls
 
-    def _beam_step(self, group, seq_rows, logits, is_prefill, now, ttfts, itls) -> None:
+    def _beam_step(self, group, seq_rows, logits, now, ttfts, itls) -> None:
         """Beam search for one request (engine/beam_search.py decides which beams live on)."""
         from engine.beam_search import beam_search_step
 
         try:
             n = beam_search_step(self, group, seq_rows, logits)
-            self._record_progress(group, n, is_prefill, now, ttfts, itls)
+            self._record_progress(group, n, now, ttfts, itls)
         except Exception as e:
             self._fail(group, e)
 
-    def _record_progress(self, group, num_new_tokens, is_prefill, now, ttfts, itls) -> None:
+    def _record_progress(self, group, num_new_tokens, now, ttfts, itls) -> None:
         """Latency and token accounting after a request got `num_new_tokens` tokens this step;
         registers newly filled blocks for prefix caching."""
         m = group.metrics
