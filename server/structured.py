@@ -71,19 +71,12 @@ def _from_response_format(fmt: dict) -> GuidedDecoding | None:
 
 
 def _spec(kind: str, value: Any, param: str) -> GuidedDecoding:
-    if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise bad_request(f"the JSON schema is not valid JSON: {e}", param=param) from None
-        if not isinstance(value, dict):
-            raise bad_request("the JSON schema must be a JSON object.", param=param)
-        return GuidedDecoding.json_schema(value)
-    if kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise bad_request("choices must be a non-empty list of non-empty strings.", param=param)
-        return GuidedDecoding.choice(value)
+    """The constraint as given; what its value must be (a JSON object, a list of strings) is
+    checked once, by `validate` (engine/structured_output.py), with the messages it gives."""
+    if kind == "json" and isinstance(value, str):
+        return GuidedDecoding(kind, value)  # a serialised schema: validate parses it
+    if kind in ("json", "choice"):
+        return GuidedDecoding(kind, json.dumps(value))
     if not isinstance(value, str) or not value:
         raise bad_request(f"the {kind} must be a non-empty string.", param=param)
     return GuidedDecoding(kind, value)
