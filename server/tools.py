@@ -106,9 +106,9 @@ def plan_tools(req: Any) -> ToolPlan:
         chosen = [f for f in functions if mode == "required" or f["name"] == named]
         for i, f in enumerate(functions):  # a bad schema is named by its tool
             if f in chosen:
-                _check_schema(call_schema([f]), f"tools.{i}.function.parameters")
+                _check(GuidedDecoding.json_schema(call_schema([f])), f"tools.{i}.function.parameters")
         guided = GuidedDecoding.json_schema(call_schema(chosen))
-        _check_schema(call_schema(chosen), "tools")
+        _check(guided, "tools")
     return ToolPlan(functions, mode, named, guided, names)
 
 
@@ -116,9 +116,9 @@ def _show(choice: Any) -> str:
     return repr(choice) if isinstance(choice, str) else f"{{function: {choice.function.name!r}}}"
 
 
-def _check_schema(schema: dict, param: str) -> None:
+def _check(guided: GuidedDecoding, param: str) -> None:
     try:
-        validate(GuidedDecoding.json_schema(schema))
+        validate(guided)
     except ValueError as exc:
         raise bad_request(str(exc), param=param) from None
 
@@ -265,10 +265,9 @@ def parse_tool_call(text: str, names: frozenset[str] | set[str]) -> tuple[str, s
     return obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)
 
 
-def partial_call(text: str, names: frozenset[str] | set[str]) -> tuple[str, str] | None:
-    """For a constrained answer cut short (max_tokens, a stop string): (name, the arguments'
-    text so far) once the text has passed `{"name": <a known tool>, "arguments": `; else None.
-    What a streamed call would have sent by then, so both answers agree."""
+def _call_head(text: str, names: frozenset[str] | set[str]) -> tuple[str, int] | None:
+    """(name, where the arguments start) once `text` has passed
+    `{"name": <a known tool>, "arguments": `; else None."""
     head = _HEAD.match(text)
     if head is None:
         return None
@@ -276,7 +275,15 @@ def partial_call(text: str, names: frozenset[str] | set[str]) -> tuple[str, str]
         name = json.loads(head.group(1))
     except ValueError:
         return None
-    return (name, text[head.end():]) if name in names else None
+    return (name, head.end()) if name in names else None
+
+
+def partial_call(text: str, names: frozenset[str] | set[str]) -> tuple[str, str] | None:
+    """For a constrained answer cut short (max_tokens, a stop string): (name, the arguments'
+    text so far) once the text has passed `{"name": <a known tool>, "arguments": `; else None.
+    What a streamed call would have sent by then, so both answers agree."""
+    head = _call_head(text, names)
+    return None if head is None else (head[0], text[head[1]:])
 
 
 class CallStreamer:
@@ -299,16 +306,11 @@ class CallStreamer:
         self.text += delta
         announced = None
         if self.name is None:
-            head = _HEAD.match(self.text)
+            head = _call_head(self.text, self.names)
             if head is None:
                 return None, ""
-            try:
-                name = json.loads(head.group(1))
-            except ValueError:
-                return None, ""
-            if name not in self.names:
-                return None, ""
-            self.name, self.args_start, announced = name, head.end(), name
+            self.name, self.args_start = head
+            announced = self.name
         ready = self.text[self.args_start:].rstrip("} \n\t\r")
         if len(ready) <= len(self.sent) or not ready.startswith(self.sent):
             return announced, ""
