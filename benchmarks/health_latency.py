@@ -31,13 +31,9 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/health_laten
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.server_proc import server_for, split_server_flags
+from benchmarks.workload import SHORT_PROMPTS
 
-PROMPTS = [
-    "Write a short story about a robot learning to paint.",
-    "Explain how a hash table works.",
-    "List some facts about the moon.",
-    "Describe the water cycle for a child.",
-]
+PROMPTS = SHORT_PROMPTS
 
 
 def percentile(values: list[float], q: float) -> float:

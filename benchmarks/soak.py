@@ -40,14 +40,9 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/soak.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.server_proc import server_for, split_server_flags
+from benchmarks.workload import SHORT_PROMPTS
 
-PROMPTS = [
-    "Write a short story about a robot learning to paint.",
-    "Explain how a hash table works.",
-    "List some facts about the moon.",
-    "Describe the water cycle for a child.",
-    "The capital of France is",
-]
+PROMPTS = [*SHORT_PROMPTS, "The capital of France is"]
 KINDS = ["completion", "completion_stream", "completion_n", "chat", "chat_stream_n",
          "disconnect_stream", "disconnect_full"]
 # Relative frequency of each kind (disconnects: about 20% of requests).

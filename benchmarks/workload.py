@@ -16,6 +16,14 @@ from pathlib import Path
 
 REFERENCE_MAX_LEN = 4096  # the context the bucket bounds below are written for
 
+# A few short instructions for the server-level benchmarks (soak, health latency).
+SHORT_PROMPTS = (
+    "Write a short story about a robot learning to paint.",
+    "Explain how a hash table works.",
+    "List some facts about the moon.",
+    "Describe the water cycle for a child.",
+)
+
 
 @dataclass(frozen=True)
 class LengthBucket:

@@ -86,7 +86,7 @@ def batched_gather_attention(out, query, key_cache, value_cache, tables, lens, s
     """A stronger pure-torch baseline than the reference: one gather and two batched matmuls for
     the whole batch (works only because every sequence here has the same length)."""
     batch, num_heads, head_size = query.shape
-    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    num_kv_heads = key_cache.shape[1]
 
     def gather(cache):  # [batch, blocks, kv, block_size, head] -> [batch, kv, ctx, head]
         blocks = cache[tables.long()].permute(0, 2, 1, 3, 4)
