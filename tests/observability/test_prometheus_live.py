@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.observability.obs_support import REPO, free_port, stream_completion
+from tests.server.support import wait_http_ok
 
 yaml = pytest.importorskip("yaml")
 PROMETHEUS = shutil.which("prometheus")
@@ -36,16 +37,8 @@ def prometheus(live_server, tmp_path):
         stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("prometheus did not start:\n" + (tmp_path / "prometheus.log").read_text())
-            time.sleep(0.5)
+        if wait_http_ok(f"{url}/-/ready", 60, proc, interval=0.5) != "ok":
+            pytest.fail("prometheus did not start:\n" + (tmp_path / "prometheus.log").read_text())
         yield url
     finally:
         proc.terminate()

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import free_port, start_server, wait_for_health
+from tests.server.support import wait_http_ok
 
 FLAGS = ["--max-model-len", "512", "--kv-cache-memory", "32MiB", "--swap-space", "0.02",
          "--max-num-seqs", "8", "--log-level", "warning", "--disable-uvicorn-access-log"]
@@ -121,15 +121,10 @@ class Balancer:
         self.log = open(self.tmp / "stdout.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"{kind} exited: {self.logs()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        state = wait_http_ok(self.url + "/health", 20, self.proc)
+        assert state != "exited", f"{kind} exited: {self.logs()}"
+        if state == "ok":
+            return
         raise RuntimeError(f"{kind} did not answer: {self.logs()}")
 
     def logs(self) -> str:

@@ -14,12 +14,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
+
+from tests.server.support import wait_http_ok
 
 REPO = Path(__file__).resolve().parents[2]
 REAL_FLAGS = ["--max-model-len", "2048", "--kv-cache-memory", "256MiB", "--max-num-seqs", "64",
@@ -76,16 +76,11 @@ def start_server(*flags: str, wait_healthy: bool = True, timeout: float = 180.0,
 
 
 def wait_for_health(server: ServerProcess, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log()[-4000:]}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    state = wait_http_ok(server.url + "/health", timeout, server.proc)
+    if state == "ok":
+        return
+    if state == "exited":
+        raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log()[-4000:]}")
     server.stop(signal.SIGKILL)
     raise RuntimeError(f"server not healthy after {timeout} s:\n{server.log()[-4000:]}")
 

@@ -8,6 +8,23 @@ import time
 import httpx
 
 
+def wait_http_ok(url: str, timeout: float, proc=None, interval: float = 0.2) -> str:
+    """GET `url` until it answers 200 ("ok"), `proc` (a Popen, if given) has exited
+    ("exited"), or `timeout` seconds have passed ("timeout")."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            return "exited"
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return "ok"
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            return "timeout"
+        time.sleep(interval)
+
+
 def post(server, path: str, body, headers: dict | None = None, timeout: float = 120) -> httpx.Response:
     """POST `body` (a JSON value, or raw str/bytes sent as is) as application/json."""
     content = body if isinstance(body, (str, bytes)) else json.dumps(body)
