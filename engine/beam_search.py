@@ -5,8 +5,10 @@ The choice of beams follows HF transformers 5.x `generate(num_beams=k, do_sample
 
 - Each step scores every running beam's next tokens by cumulative log-probability (the
   log_softmax of the logits after logit bias, masks and penalties, added in float32 to the
-  beam's score) and keeps the best `2k` candidates over all beams, best first (`max(2, 1 + the
-  number of stop tokens) * k` when stop_token_ids add more ways to end).
+  beam's score; NaN, from a row with every token masked, counts as -inf) and ranks the
+  candidates over all beams, best first. HF keeps the best `2k` (`max(2, 1 + the number of
+  stop tokens) * k` when stop_token_ids add more ways to end); only the best `k` that end and
+  the best `k` that continue matter, so those are all that are looked at.
 - A candidate that ends its beam (EOS or a stop token id, or the `max_tokens`-th token) becomes
   a finished hypothesis if it is among the best `k` candidates, scored
   `sum_logprobs / generated_len ** length_penalty` (generated_len counts the EOS). Only the
@@ -30,6 +32,7 @@ hypotheses by score, index 0 the best.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -100,16 +103,13 @@ def beam_search_step(engine, group: SequenceGroup, seq_rows: list[tuple[Sequence
     adjusted = engine.sampler.adjusted_logits(raw, [engine._row(seq, group) for seq in seqs])
     beam_scores = torch.tensor([seq.cumulative_logprob for seq in seqs], dtype=torch.float32, device=logits.device)
     scores = torch.log_softmax(adjusted, dim=-1) + beam_scores[:, None]
+    # NOTE: torch.topk ranks NaN above everything; a row of -inf logits gives NaN.
+    scores.masked_fill_(scores.isnan(), float("-inf"))
 
     stop_ids = set(p.stop_token_ids)
     if engine.eos_token_id is not None and not p.ignore_eos:
         stop_ids.add(engine.eos_token_id)
-    vocab = scores.shape[1]
-    num_keep = min(max(2, 1 + len(stop_ids)) * k, scores.numel())
-    values, flat = torch.topk(scores.view(-1), num_keep)
-    candidates = [
-        _Candidate(seqs[i // vocab], i // vocab, i % vocab, v) for i, v in zip(flat.tolist(), values.tolist())
-    ]
+    candidates = [_Candidate(seqs[r], r, t, v) for r, t, v in select_candidates(scores, stop_ids, k)]
 
     next_beams: list[_Candidate] = []
     num_new = 0
@@ -151,10 +151,49 @@ def _search_done(state: BeamState, group: SequenceGroup, next_beams: list[_Candi
     return best_possible <= state.hypotheses[-1].score
 
 
+def select_candidates(scores: torch.Tensor, stop_ids: set[int], k: int) -> list[tuple[int, int, float]]:
+    """(row, token id, score) of the candidates a step needs from `scores` ([beams, vocab],
+    no NaN), best first: the best k whose token is not in `stop_ids` and the best k whose token
+    is. Those hold every candidate ranked < k overall (the only ones that may become
+    hypotheses) and the best k that continue (the next beams), in the order of a full ranking,
+    at most 2k of them whatever the number of stop ids. Equal scores are listed by row, then
+    token (which of several equal scores at the k-th place are taken is torch.topk's choice).
+    """
+    vocab = scores.shape[1]
+    stop = sorted(t for t in stop_ids if 0 <= t < vocab)
+    if stop:
+        is_stop = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
+        stop_cols = torch.tensor(stop, dtype=torch.long, device=scores.device)
+        is_stop[stop_cols] = True
+        found = _best(scores, (~is_stop).nonzero()[:, 0], k) + _best(scores, stop_cols, k)
+    else:
+        found = _best(scores, None, k)
+    # NOTE: -inf scores (masked tokens) are equal; the row/token order keeps the ranking stable.
+    found.sort(key=lambda c: (-c[2], c[0], c[1]))
+    return found
+
+
+def _best(scores: torch.Tensor, cols: torch.Tensor | None, k: int) -> list[tuple[int, int, float]]:
+    """The k best (row, token id, score) of `scores` restricted to the columns `cols` (None: all)."""
+    sub = scores if cols is None else scores.index_select(1, cols)
+    width = sub.shape[1]
+    if sub.numel() == 0 or k <= 0:
+        return []
+    values, flat = torch.topk(sub.reshape(-1), min(k, sub.numel()))
+    tokens = flat % width if cols is None else cols[flat % width]
+    return list(zip((flat // width).tolist(), tokens.tolist(), values.tolist()))
+
+
 def _normalized(score: float, length: int, length_penalty: float) -> float:
     """score / length ** length_penalty, computed in float32 as HF's score tensors are, so
-    that comparisons agree with it to the last bit."""
-    return (torch.tensor(score, dtype=torch.float32) / (length**length_penalty)).item()
+    that comparisons agree with it to the last bit. Never NaN (0 / 0 and inf / inf give -inf)
+    and never raises for a finite length_penalty."""
+    try:
+        denominator = length ** float(length_penalty)
+    except OverflowError:  # e.g. 2 ** 1e308; a float32 division by it would see inf anyway
+        denominator = float("inf")
+    out = (torch.tensor(score, dtype=torch.float32) / denominator).item()
+    return float("-inf") if math.isnan(out) else out
 
 
 def _add_hypothesis(

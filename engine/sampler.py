@@ -7,6 +7,11 @@ rows, never over the vocabulary.
 
 Logprobs are always the raw model's (log_softmax of the logits as the model produced them),
 whatever the sampling settings did to the distribution the token was drawn from.
+
+Extreme settings stay well defined: logits are guarded after penalties and temperature (NaN
+becomes -inf, +inf the largest finite float32, so that ties are well defined), top-k, top-p and
+min-p always keep the best token (and those tied with it), and a row left with no finite logit
+(every token masked) takes the raw model's argmax instead of a draw from NaN.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+_F32 = torch.finfo(torch.float32)
 
 
 @dataclass
@@ -60,10 +66,10 @@ class Sampler:
         random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         if greedy:
-            # NOTE: torch.argmax picks the first maximum, exactly as HF greedy decoding does.
-            token_ids[_index(greedy, logits.device)] = _rows(adjusted, greedy).argmax(dim=-1)
+            token_ids[_index(greedy, logits.device)] = _greedy(_rows(adjusted, greedy), _raw_argmax(logits, greedy))
         if random:
-            probs = _sampling_probs(_rows(adjusted, random), [rows[i].params for i in random])
+            params = [rows[i].params for i in random]
+            probs = _sampling_probs(_rows(adjusted, random), params, _raw_argmax(logits, random))
             token_ids[_index(random, logits.device)] = _draw(probs, [rows[i].generator for i in random])
         return score_tokens(logits, token_ids, [r.params.logprobs for r in rows])
 
@@ -86,6 +92,31 @@ class Sampler:
         _apply_repetition_penalty(out, rows, vocab)
         _apply_frequency_presence(out, rows, vocab)
         return out
+
+
+def _raw_argmax(logits: torch.Tensor, sel: list[int]):
+    """Fallback for the selected rows that have no finite logit left: given positions among
+    `sel`, the raw model's argmax of those rows (computed only when such a row exists)."""
+
+    def fallback(dead: torch.Tensor) -> torch.Tensor:
+        return logits.index_select(0, _index(sel, logits.device)[dead]).argmax(dim=-1)
+
+    return fallback
+
+
+def _greedy(adjusted: torch.Tensor, fallback) -> torch.Tensor:
+    """The argmax of each row; `fallback(dead)` for rows whose every logit is -inf."""
+    # NOTE: torch.argmax picks the first maximum, exactly as HF greedy decoding does.
+    ids = adjusted.argmax(dim=-1)
+    dead = adjusted.gather(1, ids[:, None])[:, 0] == _NEG_INF
+    if bool(dead.any()):
+        ids[dead] = fallback(dead.nonzero()[:, 0])
+    return ids
+
+
+def _guard_(t: torch.Tensor) -> torch.Tensor:
+    """In place: NaN -> -inf, +inf -> the largest finite float32; -inf stays."""
+    return t.nan_to_num_(nan=_NEG_INF, posinf=_F32.max, neginf=_NEG_INF)
 
 
 def _edits(row: SamplingRow) -> bool:
@@ -170,14 +201,17 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow], voc
     # original logit, so it is penalised once.
     flat = logits.view(-1)
     pos = _flat_token_ids([rows[i].prompt_token_ids + rows[i].output_token_ids for i in sel], sel, vocab, logits.device)
-    penalty = _per_row(rows, lambda p: p.repetition_penalty, logits)[pos // vocab]
+    # NOTE: a penalty of 1e-300 is 0 in float32 and 1e308 is inf; 0 * inf would be NaN. Clamped
+    # into the finite positive float32 range (ordinary penalties are unchanged), only an overflow
+    # to +inf remains, which the guard turns into the largest float32.
+    penalty = _per_row(rows, lambda p: p.repetition_penalty, logits).clamp_(_F32.tiny, _F32.max)[pos // vocab]
     seen = flat[pos]
-    flat[pos] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    flat[pos] = _guard_(torch.where(seen > 0, seen / penalty, seen * penalty))
 
 
 def _apply_frequency_presence(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> None:
     """OpenAI: logit -= frequency_penalty * count + presence_penalty * (count > 0), counting
-    only generated tokens."""
+    only generated tokens. (Penalties are in [-2, 2]: no finite logit can overflow.)"""
     sel = [
         i
         for i, r in enumerate(rows)
@@ -206,11 +240,18 @@ def _per_row(rows: list[SamplingRow], field, like: torch.Tensor) -> torch.Tensor
 _TOP_P_CANDIDATES = 256
 
 
-def _sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Probabilities to draw from, for rows that do not decode greedily. Never edits `logits`."""
+def _sampling_probs(logits: torch.Tensor, params: list[SamplingParams], fallback=None) -> torch.Tensor:
+    """Probabilities to draw from, for rows that do not decode greedily. Never edits `logits`.
+
+    Every row is finite, non-negative and sums to 1. A row left with no finite logit puts all
+    its mass on its best logit, or when every token is masked, on `fallback(rows)` (token ids
+    for those row positions; token 0 without a fallback).
+    """
     dev, vocab = logits.device, logits.shape[1]
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-    logits = logits / temps[:, None]  # a fresh tensor: everything below edits it in place
+    # NOTE: 1e308 is inf in float32, and -inf / inf is NaN: clamped to the largest float32, a
+    # huge temperature flattens the finite logits to (nearly) 0, a uniform draw over them.
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev).clamp_(max=_F32.max)
+    original, logits = logits, _guard_(logits / temps[:, None])  # a fresh tensor: everything below edits it in place
 
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     sel = [i for i, k in enumerate(top_k) if k < vocab]
@@ -232,11 +273,25 @@ def _sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     if sel:
         min_p = torch.tensor([params[i].min_p for i in sel], dtype=torch.float32, device=dev)
         sub = _rows(logits, sel)
-        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
-        cut = sub.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); the best token always stays.
+        best = sub.max(dim=-1, keepdim=True).values
+        cut = torch.minimum(best + torch.log(min_p)[:, None], best)
         _set_rows(logits, sel, sub.masked_fill_(sub < cut, _NEG_INF))
 
-    return logits.softmax(dim=-1)
+    return _with_fallback(logits.softmax(dim=-1), original, fallback or torch.zeros_like)
+
+
+def _with_fallback(probs: torch.Tensor, logits: torch.Tensor, fallback) -> torch.Tensor:
+    """Rows that softmax turned into NaN (no finite logit left; nothing else is NaN after the
+    guard) become one-hot: on the argmax of the row's `logits` (before temperature) if that is
+    finite, else on `fallback(rows)`."""
+    dead = probs[:, 0].isnan()
+    if bool(dead.any()):
+        rows = dead.nonzero()[:, 0]
+        tokens = _greedy(logits.index_select(0, rows), lambda gone: fallback(rows[gone]))
+        probs[rows] = 0.0
+        probs[rows, tokens.to(probs.device)] = 1.0
+    return probs
 
 
 def _rows(t: torch.Tensor, sel: list[int]) -> torch.Tensor:
@@ -266,8 +321,10 @@ def _top_p_cutoff(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def _cutoff_in(sorted_logits, sorted_probs, top_p):
     cumulative = sorted_probs.cumsum(dim=-1)
     # A token stays while the mass of the better tokens is still short of top_p; the best
-    # token always stays (nothing precedes it).
-    keep = ((cumulative - sorted_probs) < top_p[:, None]).sum(dim=-1, keepdim=True)
+    # token always stays.
+    # NOTE: clamped, because top_p = 1e-300 is 0 in float32 (and a row of -inf gives NaN
+    # probabilities): keep = 0 would gather index -1, a device-side assert on a GPU.
+    keep = ((cumulative - sorted_probs) < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
     covered = cumulative[:, -1] >= top_p
     return sorted_logits.gather(1, keep - 1), covered
 
@@ -316,13 +373,13 @@ def score_tokens(
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     chosen = logits.gather(1, token_ids[:, None])
     ranks = (logits > chosen).sum(dim=-1, dtype=torch.int32) + 1
-    chosen_logprobs = (chosen - lse)[:, 0].tolist()
+    chosen_logprobs = _nan_to_neg_inf(chosen - lse)[:, 0].tolist()
 
     k = min(max((n or 0) for n in num_top), logits.shape[1]) if rows else 0
     top_ids = top_vals = None
     if k > 0:
         values, ids = torch.topk(logits, k, dim=-1)
-        top_vals, top_ids = (values - lse).tolist(), ids.tolist()
+        top_vals, top_ids = _nan_to_neg_inf(values - lse).tolist(), ids.tolist()
 
     results = []
     for i, (tok, lp, rank) in enumerate(zip(token_ids.tolist(), chosen_logprobs, ranks.tolist())):
@@ -332,3 +389,8 @@ def score_tokens(
             top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n > 0 else []
         results.append(SampleResult(token_id=tok, logprob=lp, rank=rank, top_logprobs=top))
     return results
+
+
+def _nan_to_neg_inf(logprobs: torch.Tensor) -> torch.Tensor:
+    """A row whose raw logits are all -inf has NaN logprobs (-inf - -inf): report -inf."""
+    return logprobs.masked_fill_(logprobs.isnan(), _NEG_INF)

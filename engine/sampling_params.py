@@ -6,11 +6,61 @@ one to one. Invalid values raise `ValueError` with a message fit to show the use
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, field
 
 from engine.structured_output import GuidedDecoding
 
 _GREEDY_EPS = 1e-5
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a signed 64-bit integer
+# What torch.Generator.manual_seed takes: it reads a negative seed modulo 2**64.
+_MANUAL_SEED_MIN, _MANUAL_SEED_MAX = -(2**63), 2**64 - 1
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded with `seed`, for `torch.Generator().manual_seed`.
+
+    It is `seed + index` whenever manual_seed takes that (always, for a valid seed and
+    0 <= index <= 2**63), so `derive_seed(seed, 0) == seed`; otherwise `seed + index` modulo 2**64,
+    which manual_seed also takes. Never raises for integers.
+    """
+    s = seed + index
+    if _MANUAL_SEED_MIN <= s <= _MANUAL_SEED_MAX:
+        return s
+    return s % 2**64
+
+
+def _integer(name: str, value, what: str = "an integer") -> int:
+    """`value` as a plain int; a bool, a float or anything else that is not an integer is refused."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{name} must be {what}, got {_show(value)}.")
+
+
+def _number(name: str, value) -> float:
+    """`value` as a finite float; a bool, a string, NaN or an infinity is refused."""
+    x = None
+    if not isinstance(value, (bool, str, bytes)):
+        try:
+            x = float(value)
+        except (TypeError, ValueError, OverflowError):
+            pass
+    if x is None or not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {_show(value)}.")
+    return x
+
+
+def _show(value) -> str:
+    """`value` for an error message, cut short (an integer may have thousands of digits)."""
+    try:
+        text = repr(value)
+    except ValueError:  # NOTE: Python refuses to print an int of more than 4300 digits
+        return "an integer of more than 4300 digits"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass
@@ -49,22 +99,38 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        self.stop_token_ids = [_integer("stop_token_ids", t, "a list of integers") for t in self.stop_token_ids or []]
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self._check_types()
         if self.best_of is None:
             self.best_of = self.n
         if self.top_k == 0:
             self.top_k = -1
         self._verify()
 
+    def _check_types(self) -> None:
+        """Every numeric field as a plain int or a finite float (a Python caller may pass NaN,
+        an infinity, a bool or a numpy scalar); raises ValueError naming the field."""
+        for name in ("n", "top_k", "min_tokens"):
+            setattr(self, name, _integer(name, getattr(self, name)))
+        for name in ("best_of", "seed", "max_tokens", "logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _integer(name, getattr(self, name)))
+        floats = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
+        for name in floats + ("length_penalty",):
+            setattr(self, name, _number(name, getattr(self, name)))
+
     def _verify(self) -> None:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
         if self.n < 1:
-            bad(f"n must be at least 1, got {self.n}.")
+            bad(f"n must be at least 1, got {_show(self.n)}.")
+        if self.best_of < 1:
+            bad(f"best_of must be at least 1, got {_show(self.best_of)}.")
         if self.best_of < self.n:
-            bad(f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}.")
+            bad(f"best_of must be greater than or equal to n, got n={_show(self.n)} and "
+                f"best_of={_show(self.best_of)}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -76,19 +142,22 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1:
-            bad(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
+            bad(f"top_k must be -1 (disable), or at least 1, got {_show(self.top_k)}.")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None and self.max_tokens < 1:
-            bad(f"max_tokens must be at least 1, got {self.max_tokens}.")
+            bad(f"max_tokens must be at least 1, got {_show(self.max_tokens)}.")
         if self.min_tokens < 0:
-            bad(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+            bad(f"min_tokens must be greater than or equal to 0, got {_show(self.min_tokens)}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+            bad(f"min_tokens must be less than or equal to max_tokens={_show(self.max_tokens)}, "
+                f"got {_show(self.min_tokens)}.")
         if self.logprobs is not None and self.logprobs < 0:
-            bad(f"logprobs must be non-negative, got {self.logprobs}.")
+            bad(f"logprobs must be non-negative, got {_show(self.logprobs)}.")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            bad(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+            bad(f"prompt_logprobs must be non-negative, got {_show(self.prompt_logprobs)}.")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            bad(f"seed must be a 64-bit signed integer (in [-2**63, 2**63 - 1]), got {_show(self.seed)}.")
         if any(not s for s in self.stop):
             bad("stop cannot contain an empty string.")
         if any(t < 0 for t in self.stop_token_ids):
@@ -113,3 +182,15 @@ class SamplingParams:
     @property
     def all_stop_token_ids(self) -> set[int]:
         return set(self.stop_token_ids)
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """{token id: bias}; keys may be ints or strings of ints (JSON object keys are strings)."""
+    out = {}
+    for k, v in (bias or {}).items():
+        try:
+            tok = int(k, 10) if isinstance(k, str) else _integer("logit_bias", k)
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be integer token ids, got {_show(k)}.") from None
+        out[tok] = _number("logit_bias", v)
+    return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import beam_search
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
 from tests.engine.prompts import prompt_of_length
@@ -153,3 +154,39 @@ def test_beam_logprobs_are_per_token_and_sum_to_the_score(make_llm, prompts):
         assert all(t in entry and len(entry) >= 2 for t, entry in zip(o.token_ids, o.logprobs))
         total = sum(entry[t].logprob for t, entry in zip(o.token_ids, o.logprobs))
         assert total == pytest.approx(o.cumulative_logprob, abs=1e-3)
+
+
+def old_select_candidates(scores: torch.Tensor, stop_ids: set[int], k: int) -> list[tuple[int, int, float]]:
+    """The rule before candidates were bounded: one flat topk of max(2, 1 + stops) * k."""
+    vocab = scores.shape[1]
+    values, flat = torch.topk(scores.view(-1), min(max(2, 1 + len(stop_ids)) * k, scores.numel()))
+    return [(i // vocab, i % vocab, v) for i, v in zip(flat.tolist(), values.tolist())]
+
+
+def test_many_stop_token_ids_keep_the_step_bounded(make_llm, prompts, monkeypatch):
+    """5,000 stop token ids: no beam step ranks more than k candidates per topk, and the beams
+    and hypotheses are those of the old rule (a flat topk of (1 + stops) * k candidates)."""
+    llm = make_llm(block_size=16)
+    k = 4
+    params = SamplingParams(
+        n=2, best_of=k, use_beam_search=True, temperature=0.0, max_tokens=8, stop_token_ids=list(range(2000, 7000))
+    )
+    sizes = []
+    real_topk = torch.topk
+
+    def counting_topk(t, n, *args, **kwargs):
+        sizes.append(n)
+        return real_topk(t, n, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "topk", counting_topk)
+    outs = llm.generate(prompts, params)
+    monkeypatch.setattr(torch, "topk", real_topk)
+    assert sizes and max(sizes) <= k, max(sizes)
+
+    monkeypatch.setattr(beam_search, "select_candidates", old_select_candidates)
+    refs = llm.generate(prompts, params)
+    for out, ref in zip(outs, refs):
+        assert out.error is None
+        got = [(o.token_ids, o.cumulative_logprob, o.finish_reason, o.stop_reason) for o in out.outputs]
+        assert got == [(o.token_ids, o.cumulative_logprob, o.finish_reason, o.stop_reason) for o in ref.outputs]
+

@@ -249,6 +249,33 @@ def test_top_k_one_and_tiny_top_p_are_greedy(sampler):
         assert [r.token_id for r in out] == best
 
 
+def test_tiny_top_p_and_tight_filters_sample_the_argmax(sampler):
+    """Regression: top_p=1e-300 is 0 in float32; the nucleus kept no token and gathered index -1
+    (a device-side assert on a GPU). The best token always survives top-k, top-p and min-p."""
+    logits = random_logits(16, vocab=500, seed=11)
+    logits[::2, 7] = float("-inf")
+    best = logits.argmax(-1).tolist()
+    for params in (dict(top_p=1e-300), dict(top_p=5e-324), dict(min_p=1.0), dict(top_k=1),
+                   dict(top_p=1e-300, min_p=1.0, top_k=1), dict(min_p=1e-300, top_p=1e-300)):
+        out = sampler(logits, [row(temperature=1.0, seed=i, **params) for i in range(16)])
+        assert [r.token_id for r in out] == best, params
+        probs = _sampling_probs(logits, [SamplingParams(temperature=1.0, **params)] * 16)
+        assert torch.equal(probs.argmax(-1), torch.tensor(best)) and torch.isfinite(probs).all()
+
+
+def test_top_p_keeps_every_token_tied_with_the_best():
+    logits = torch.tensor([[1.0, 3.0, 3.0, -2.0, 3.0]])
+    probs = _sampling_probs(logits, [SamplingParams(top_p=1e-300)])
+    torch.testing.assert_close(probs[0], torch.tensor([0.0, 1 / 3, 1 / 3, 0.0, 1 / 3]))
+
+
+def test_ordinary_rows_keep_the_fast_path(sampler):
+    """Rows with nothing to adjust hand back the caller's tensor: the guards add no pass."""
+    logits = random_logits(3)
+    rows = [row(temperature=0.0), row(temperature=0.7, top_p=0.9), row(temperature=0.0, logprobs=2)]
+    assert sampler._adjusted(logits, rows, copy=False) is logits
+
+
 # --- seeds ------------------------------------------------------------------------------------
 
 
@@ -355,7 +382,9 @@ def test_top_candidates():
     repetition_penalty=st.sampled_from([1.0, 1.3]),
     frequency_penalty=st.sampled_from([0.0, 0.8]),
 )
-def test_drawn_token_is_allowed(seed, temperature, top_k, top_p, min_p, masked, output, repetition_penalty, frequency_penalty):
+def test_drawn_token_is_allowed(
+    seed, temperature, top_k, top_p, min_p, masked, output, repetition_penalty, frequency_penalty
+):
     sampler = Sampler()
     logits = random_logits(1, seed=seed % 1000)
     r = row(

@@ -10,7 +10,13 @@ import re
 import pytest
 import torch
 
-from engine.structured_output import GuidedDecoding, StructuredOutputCompiler, apply_grammar_masks
+from engine.structured_output import (
+    GrammarCache,
+    GuidedDecoding,
+    StructuredOutputCompiler,
+    apply_grammar_masks,
+    entry_bytes,
+)
 from engine.tokenizer import load_tokenizer
 
 VOCAB = 49152
@@ -108,3 +114,57 @@ def test_random_walk_under_mask_matches(compiler, tokenizer, spec):
         else:
             obj = json.loads(text)
             assert set(obj) == {"name", "age"} and isinstance(obj["age"], int) and len(obj["name"]) <= 8
+
+
+# --- the compiled-grammar cache ------------------------------------------------------------------
+
+
+def regex(i: int, width: int = 1) -> GuidedDecoding:
+    return GuidedDecoding("regex", f"a{i}" + "b" * width)
+
+
+def test_grammar_cache_evicts_least_recently_used_by_entries():
+    cache = GrammarCache(max_entries=3, max_bytes=1 << 20)
+    for i in range(3):
+        cache.put(regex(i), f"g{i}")
+    assert cache.get(regex(0)) == "g0"  # 0 is now the most recently used
+    cache.put(regex(3), "g3")
+    assert regex(1) not in cache and [s in cache for s in (regex(0), regex(2), regex(3))] == [True] * 3
+    assert len(cache) == 3
+
+
+def test_grammar_cache_is_bounded_by_bytes():
+    one = entry_bytes(regex(0, 1000), "x" * 5000)
+    cache = GrammarCache(max_entries=100, max_bytes=3 * one)
+    for i in range(10):
+        cache.put(regex(i, 1000), "x" * 5000)
+        assert cache.bytes <= cache.max_bytes
+    assert len(cache) == 3 and all(regex(i, 1000) in cache for i in (7, 8, 9))
+    cache.put(regex(99, 1000), "x" * (4 * one))  # larger than the whole bound: not stored
+    assert regex(99, 1000) not in cache and len(cache) == 3
+    cache.put(regex(9, 1000), "y")  # replacing an entry counts its new size only
+    assert cache.bytes == 2 * one + entry_bytes(regex(9, 1000), "y")
+
+
+def test_compiler_uses_but_does_not_cache_an_oversized_grammar(tokenizer):
+    compiler = StructuredOutputCompiler(tokenizer, VOCAB)
+    small = GuidedDecoding("regex", "[0-9]{3}")
+    big = GuidedDecoding("regex", "[0-9]{3}-" + "[a-z]" * 300)
+    compiler._grammars = GrammarCache(max_entries=8, max_bytes=entry_bytes(small, compiler.grammar(small)) + 64)
+    compiler._grammars.put(small, compiler.grammar(small))
+    state = compiler.start(big)  # compiled and used
+    assert state.accept(tokenizer.encode("1")[0]), state.error
+    assert big not in compiler._grammars and small in compiler._grammars
+    assert compiler.grammar(big) == compiler.grammar(big)
+
+
+def test_compiler_caches_by_value_and_not_errors(compiler):
+    spec = GuidedDecoding("regex", "[a-c]+x")
+    first = compiler.grammar(spec)
+    assert compiler.grammar(GuidedDecoding("regex", "[a-c]+x")) is first
+    bad = GuidedDecoding("regex", "a[")
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            compiler.grammar(bad)
+    assert bad not in compiler._grammars
+
