@@ -22,6 +22,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import sys
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +33,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 KINDS = ("json", "regex", "choice", "grammar")
+
+# The compiled-grammar cache of a compiler holds at most this many grammars, and at most this
+# many bytes of constraint and grammar text (a user's schema can be megabytes).
+GRAMMAR_CACHE_ENTRIES = 256
+GRAMMAR_CACHE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -106,11 +115,24 @@ class ConstraintUnsatisfiable(ValueError):
     this vocabulary (e.g. a regex demanding a byte no token holds). The request's fault, a 400."""
 
 
+# A step's mask for one sequence normally takes microseconds. A constraint whose masks take
+# longer than this (a regex such as "(a{1000}){1000}" takes ~1 s for its first and ~0.2 s for
+# each next one) would slow every request in the batch: it fails alone with a 400.
+MAX_FIRST_MASK_S = 0.25  # checked off the engine thread, before the request is queued
+MAX_STEP_MASK_S = 0.05  # checked at every step
+
+
+class ConstraintTooComplex(ConstraintUnsatisfiable):
+    """The constraint's masks take too long to compute (the request's fault, a 400)."""
+
+
 class GrammarState:
-    """One sequence's position in its grammar. Not thread-safe; the engine thread owns it."""
+    """One sequence's position in its grammar. Not thread-safe: one thread at a time (the
+    server's input worker prepares it, then hands it to the engine thread)."""
 
     def __init__(self, matcher) -> None:
         self._matcher = matcher  # llguidance.LLMatcher
+        self.slow_mask_s: float | None = None  # set when a step's mask took over MAX_STEP_MASK_S
 
     def fork(self) -> "GrammarState":
         """An independent copy at the same position (for a forked sequence)."""
@@ -137,12 +159,58 @@ class GrammarState:
         self._matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
 
 
+class GrammarCache:
+    """A least-recently-used map from constraint to grammar text, bounded by entries and by
+    bytes (`entry_bytes`); an entry larger than the byte bound alone is never stored.
+    Thread-safe."""
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[GuidedDecoding, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, spec: GuidedDecoding) -> bool:
+        return spec in self._entries
+
+    def get(self, spec: GuidedDecoding) -> str | None:
+        with self._lock:
+            text = self._entries.get(spec)
+            if text is not None:
+                self._entries.move_to_end(spec)
+            return text
+
+    def put(self, spec: GuidedDecoding, text: str) -> None:
+        size = entry_bytes(spec, text)
+        if size > self.max_bytes or self.max_entries <= 0:
+            return
+        with self._lock:
+            old = self._entries.pop(spec, None)
+            if old is not None:
+                self.bytes -= entry_bytes(spec, old)
+            self._entries[spec] = text
+            self.bytes += size
+            while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+                evicted, evicted_text = self._entries.popitem(last=False)
+                self.bytes -= entry_bytes(evicted, evicted_text)
+
+
+def entry_bytes(spec: GuidedDecoding, text: str) -> int:
+    """What a cached grammar costs: the memory of its constraint's and its grammar's text."""
+    return sys.getsizeof(spec.value) + sys.getsizeof(text)
+
+
 class StructuredOutputCompiler:
     """Compiles constraints against one tokenizer; compiled grammars are cached by value."""
 
     def __init__(self, tokenizer, vocab_size: int) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size  # logits width of the model
+        self._grammars = GrammarCache(GRAMMAR_CACHE_ENTRIES, GRAMMAR_CACHE_BYTES)
 
     @functools.cached_property
     def _ll_tokenizer(self):
@@ -153,10 +221,14 @@ class StructuredOutputCompiler:
             raise ValueError("structured outputs need the model's tokenizer (this model has none).")
         return llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
 
-    @functools.lru_cache(maxsize=256)  # noqa: B019 - one compiler per engine, lives as long
     def grammar(self, spec: GuidedDecoding) -> str:
-        """The validated grammar for `spec`; raises ValueError with the reason if it is bad."""
-        return validate(spec, self._ll_tokenizer)
+        """The validated grammar for `spec`; raises ValueError with the reason if it is bad
+        (a bad constraint is not cached, it is checked again when it comes back)."""
+        text = self._grammars.get(spec)
+        if text is None:
+            text = validate(spec, self._ll_tokenizer)
+            self._grammars.put(spec, text)
+        return text
 
     def start(self, spec: GuidedDecoding) -> GrammarState:
         """A fresh state at the start of `spec`'s grammar."""
@@ -166,6 +238,21 @@ class StructuredOutputCompiler:
         if matcher.is_error():
             raise ValueError(f"invalid {spec.kind} constraint: {matcher.get_error()}")
         return GrammarState(matcher)
+
+    def prepare(self, spec: GuidedDecoding, max_first_mask_s: float = MAX_FIRST_MASK_S) -> GrammarState:
+        """`start`, plus its first mask computed once and timed (the server calls this off the
+        engine thread; the state's matcher keeps what it built). Raises ConstraintTooComplex
+        when that mask takes longer than `max_first_mask_s`."""
+        state = self.start(spec)
+        scratch = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        t0 = time.perf_counter()
+        state.fill_mask(scratch, 0)
+        elapsed = time.perf_counter() - t0
+        if elapsed > max_first_mask_s:
+            raise ConstraintTooComplex(
+                f"the {spec.kind} constraint is too complex: its first token mask took {elapsed * 1e3:.0f} ms "
+                f"(the limit is {max_first_mask_s * 1e3:.0f} ms); simplify it.")
+        return state
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarState]]) -> None:
@@ -179,7 +266,11 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarState
     words = (vocab + 31) // 32
     bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
     for i, (_, state) in enumerate(rows):
+        t0 = time.perf_counter()
         state.fill_mask(bitmask, i)
+        elapsed = time.perf_counter() - t0
+        if elapsed > MAX_STEP_MASK_S:
+            state.slow_mask_s = elapsed  # NOTE: the engine fails its request after this step
     shifts = torch.arange(32, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(len(rows), words * 32)[:, :vocab].bool()
     index = torch.tensor([r for r, _ in rows], dtype=torch.long, device=logits.device)
