@@ -181,10 +181,10 @@ class BlockManager:
         NOTE: keep at least one token to compute, so the step yields logits."""
         return min(len(hits), (len(seq) - 1) // self.block_size)
 
-    def _admission(self, group: SequenceGroup) -> _Admission:
-        """What admitting the group's waiting sequences now would take, as `allocate` does it.
-        Mutates nothing."""
-        seqs = group.seqs_with_status(SequenceStatus.WAITING)
+    def _admission(self, group: SequenceGroup, seqs: list[Sequence] | None = None) -> _Admission:
+        """What admitting `seqs` (default: the group's waiting sequences) now would take, as
+        `allocate` does it. Mutates nothing."""
+        seqs = group.seqs_with_status(SequenceStatus.WAITING) if seqs is None else seqs
         n_shared = self._num_shared_prompt_blocks(group, seqs)
         cost = _Admission(0, 0, 0)
         for idx, seq in enumerate(seqs):
@@ -204,21 +204,22 @@ class BlockManager:
             cost.num_new_tokens += len(seq) - reused * self.block_size
         return cost
 
-    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        """Whether the group's waiting sequences can get device blocks for all their tokens.
-        Prefix-cache hits on blocks that are in use (live) take no free block."""
-        cost = self._admission(group)
+    def can_allocate(self, group: SequenceGroup, seqs: list[Sequence] | None = None, reserve: int = 0) -> AllocStatus:
+        """Whether `seqs` (default: the group's waiting sequences) can get device blocks for all
+        their tokens and leave `reserve` blocks free. Prefix-cache hits on blocks that are in
+        use (live) take no free block."""
+        cost = self._admission(group, seqs)
         if cost.num_blocks > self.gpu.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        if cost.num_free_needed <= self.gpu.num_free - self.watermark_blocks:
+        if cost.num_free_needed + reserve <= self.gpu.num_free - self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def num_tokens_to_compute(self, group: SequenceGroup) -> int:
-        """Tokens the group's waiting sequences would compute if allocated now: their lengths
-        less what the prefix cache (or a sibling sharing the prompt) serves; after `allocate`,
-        the sum of their `num_uncomputed_tokens` (at most this). Mutates nothing."""
-        return self._admission(group).num_new_tokens
+    def num_tokens_to_compute(self, group: SequenceGroup, seqs: list[Sequence] | None = None) -> int:
+        """Tokens `seqs` (default: the group's waiting sequences) would compute if allocated
+        now: their lengths less what the prefix cache (or a sibling sharing the prompt) serves;
+        after `allocate`, the sum of their `num_uncomputed_tokens` (at most this). Mutates nothing."""
+        return self._admission(group, seqs).num_new_tokens
 
     def _looks_up_cache(self, group: SequenceGroup) -> bool:
         """Whether the group's prompt may be served from the prefix cache. A request that asks
@@ -226,19 +227,22 @@ class BlockManager:
         (it still publishes its full blocks for others)."""
         return self.enable_prefix_caching and group.params.prompt_logprobs is None
 
-    def allocate(self, group: SequenceGroup, register: bool = True) -> None:
-        """Give each waiting sequence a block table covering its tokens, reusing cached prefix
-        blocks when prefix caching is on (not for prompt-logprob requests), and set
-        `num_computed_tokens` to the reused length. Assumes `can_allocate` said OK.
+    def allocate(self, group: SequenceGroup, seqs: list[Sequence] | None = None, register: bool = True) -> None:
+        """Give each of `seqs` (default: the group's waiting sequences) a block table covering its
+        tokens, reusing cached prefix blocks when prefix caching is on (not for prompt-logprob
+        requests), and set `num_computed_tokens` to the reused length. Sequences admitted
+        together share the first one's full prompt blocks and get `waits_for` set to it.
+        Assumes `can_allocate` said OK for the same `seqs`.
         `register`: publish the new full blocks' hashes now, as the step computes all of them;
-        False for a chunked prefill, whose blocks are registered once computed
-        (`register_full_blocks`)."""
-        seqs = group.seqs_with_status(SequenceStatus.WAITING)
+        False when the step may compute only part of them (a chunk), whose blocks are
+        registered once computed (`register_full_blocks`)."""
+        seqs = group.seqs_with_status(SequenceStatus.WAITING) if seqs is None else seqs
         n_shared = self._num_shared_prompt_blocks(group, seqs)
         first: list[Block] = []
         for idx, seq in enumerate(seqs):
             assert seq.seq_id not in self.tables
             table: list[Block] = []
+            seq.waits_for = (seqs[0], n_shared * self.block_size) if idx > 0 and n_shared else None
             hashes = self._full_block_hashes(seq.token_ids, group.params.cache_salt)
             if idx > 0 and n_shared:
                 # NOTE: the first sequence computes these blocks in this same step; every layer
@@ -276,17 +280,33 @@ class BlockManager:
         return out
 
     # ---------------------------------------------------------------- decoding
-    def _needs_new_block(self, seq: Sequence) -> bool:
-        table = self.tables[seq.seq_id]
-        if len(table) * self.block_size < len(seq):
-            return True  # the last block is full
-        last = table[self.num_blocks_for(len(seq)) - 1]
-        return last.ref_count > 1  # shared: writing into it needs a private copy
+    def _num_append_blocks(self, seqs: list[Sequence], tables: dict[int, list[Block]], refs=None) -> int:
+        """Free blocks that `append_slot` on each of `seqs` in turn would take: one for each
+        sequence whose last block is full, and a copy for each writer into a shared last block
+        except the last writer when no one else holds it. `refs(block)` gives the reference
+        count to use (default: the block's own)."""
+        refs = refs or (lambda b: b.ref_count)
+        need = 0
+        writers: dict[int, list] = {}  # shared last block id -> [block, writers]
+        for s in seqs:
+            table = tables[s.seq_id]
+            if len(table) * self.block_size < len(s):
+                need += 1
+                continue
+            last = table[self.num_blocks_for(len(s)) - 1]
+            if refs(last) > 1:
+                writers.setdefault(last.block_id, [last, 0])[1] += 1
+        for block, m in writers.values():
+            need += m if refs(block) > m else m - 1
+        return need
+
+    def num_append_blocks(self, seqs: list[Sequence]) -> int:
+        """Free device blocks that giving each of `seqs` (running) a slot for its next token takes."""
+        return self._num_append_blocks(seqs, self.tables)
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
         """Whether every running sequence of the group can get a slot for its next token."""
-        needed = sum(self._needs_new_block(s) for s in group.seqs_with_status(SequenceStatus.RUNNING))
-        return needed <= self.gpu.num_free
+        return self.num_append_blocks(group.seqs_with_status(SequenceStatus.RUNNING)) <= self.gpu.num_free
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
         """Make sure the slot of the sequence's last token exists and is private.
@@ -344,11 +364,25 @@ class BlockManager:
         is copied once and stays shared. Returns (device block, cpu block) pairs to copy."""
         return self._move(group, SequenceStatus.RUNNING, self.tables, self.gpu, self.cpu_tables, self.cpu)
 
+    def _swap_in_need(self, seqs: list[Sequence], tables: dict[int, list[Block]]) -> int:
+        """Device blocks `seqs` take once swapped in and given their next slots: one per distinct
+        block of their tables, plus `_num_append_blocks` with the sharing inside the group only
+        (swapping copies a block shared with other requests)."""
+        local: dict[int, int] = {}
+        for s in seqs:
+            for b in tables[s.seq_id]:
+                local[b.block_id] = local.get(b.block_id, 0) + 1
+        return len(local) + self._num_append_blocks(seqs, tables, lambda b: local[b.block_id])
+
     def can_swap_in(self, group: SequenceGroup) -> bool:
-        blocks = self._unique_blocks(self.cpu_tables, group.seqs_with_status(SequenceStatus.SWAPPED))
-        # one spare block per sequence for the token it appends right after coming back
-        needed = len(blocks) + len(group.seqs_with_status(SequenceStatus.SWAPPED))
+        needed = self._swap_in_need(group.seqs_with_status(SequenceStatus.SWAPPED), self.cpu_tables)
         return needed <= self.gpu.num_free - self.watermark_blocks
+
+    def fits_pool_after_swap(self, group: SequenceGroup) -> bool:
+        """Whether the group's running sequences, once swapped out, could come back: what they
+        would take at swap-in is at most the whole device pool. Mutates nothing."""
+        needed = self._swap_in_need(group.seqs_with_status(SequenceStatus.RUNNING), self.tables)
+        return needed <= self.gpu.num_blocks - self.watermark_blocks
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
         """Inverse of swap_out. Returns (cpu block, device block) pairs to copy."""

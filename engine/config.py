@@ -150,6 +150,11 @@ class EngineArgs:
         max_batched = self.max_num_batched_tokens or max(max_model_len, 2048)
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_batched}")
+        if max_batched < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) must be at least max_num_seqs ({self.max_num_seqs}), "
+                "so that every running sequence can decode in one step"
+            )
         if max_batched < max_model_len and not self.enable_chunked_prefill:
             raise ValueError(
                 f"max_num_batched_tokens ({max_batched}) must be at least max_model_len ({max_model_len}), "

@@ -1,90 +1,108 @@
-"""Continuous batching over waiting / running / swapped queues.
+"""Continuous batching over waiting / running / swapped queues, with liveness by construction.
 
-Each step: (1) every running request gets a slot for its next token, preempting the newest
-running requests when blocks run out; (2) if nothing was preempted, swapped requests come back,
-oldest first; (3) if nothing is still swapped out, waiting requests are admitted first come,
-first served, within the sequence and token budgets (a prompt is charged for the tokens it
-computes this step, not for those the prefix cache serves). Requests join and leave at every step.
+Requests are served first come, first served (`SequenceGroup.priority`: arrival time, then
+creation order). A request's *lead* is its lowest-index unfinished sequence (all the beams of a
+beam search, which run together); the other samples of n / best_of are its *extras*. Blocks,
+sequence slots and the token budget go to leads first, oldest first; extras get what is left.
+Each step:
+(0) The oldest request's lead runs. If it is swapped out, waiting, or parked, room is made (extras
+    anywhere are parked, then newer requests preempted, newest first) and it is brought in.
+(1) Every running sequence gets a slot for its next token and at most max_num_seqs run: extras
+    are parked (freed, to be recomputed; the newest request's highest-index one first), then
+    the newest requests preempted, never the oldest (`_fit_running`). The oldest request's
+    sequences are scheduled first, in index order, with the whole token budget; then every other
+    decode within what is left (a decode that does not fit waits a step and keeps its blocks);
+    then the chunks of partially prefilled requests (chunked prefill), oldest first.
+(2) If no request was preempted: leads that are out (swapped, waiting, parked) come in, oldest
+    first, parking extras to make room, stopping at the first that does not fit (FCFS). A
+    waiting prompt is charged for the tokens it computes, not those the prefix cache serves.
+(3) If nothing was preempted or parked: parked extras come back, oldest request first, when
+    they leave a block of room per running sequence (so that they are not parked again at once).
 
-Chunked prefill (`enable_chunked_prefill`, off by default): a prompt whose uncomputed tokens exceed
-the step's remaining token budget is admitted anyway and prefilled over several steps, each chunk
-ending on a block boundary where the budget allows (`_chunk_size`). Decodes are scheduled first,
-then the chunks of partially prefilled requests (oldest first), then swapped and waiting ones, so
-running requests keep their inter-token latency while a long prompt is prefilled. A request gets
-device blocks for its whole prompt at admission, stays RUNNING between its chunks, and samples
-only at the chunk that computes its last token (`ScheduledSeq.samples`). Not chunked: a request
-whose prompt logprobs are still to be computed (every prompt row must be scored in one step; it
-is admitted whole or waits, and the engine refuses one longer than the budget). Samples of one
-request recomputed together in chunks share the first one's prompt blocks; the others compute
-nothing past those blocks before the first has computed them.
+Why this is live, and why one request can only hurt itself (the policy the hardening issue asked
+for, tested in tests/engine/test_liveness.py):
+- Every request fits the pool on its own: one sequence holds at most max_model_len tokens, which
+  the pool holds (checked at start-up); the engine refuses at admission (400) a beam search whose
+  beams could outgrow the pool together (width x blocks of prompt + max_tokens), and best_of or a
+  beam width above max_num_seqs. Samples of n / best_of need not run together, so a request whose
+  samples outgrow the pool runs them a few at a time.
+- A request is swapped out only if it could come back into the whole pool
+  (`BlockManager.fits_pool_after_swap`); otherwise it is recomputed.
+- The oldest request's lead is never parked or preempted, (0) brings it in and (1) runs it first,
+  so it advances every step (max_num_batched_tokens >= max_num_seqs: its decodes fit). It finishes
+  within `pre + M` steps (M: max_tokens after the context cap; pre: its prefill, 1 step without
+  chunking, at most P + M with it), then the next sample becomes the lead. So a request finishes
+  within W = s * (pre + M) steps of becoming the oldest (s: best_of; beams advance together), and
+  the k-th request by arrival by step max(arrival_k, finish_{k-1}) + W_k: no starvation.
+- Extras never take blocks, slots or budget from another request's lead: a request with many
+  samples cannot preempt, delay or block anyone else; its extra samples only use spare room.
+- Whole requests are preempted newest first, skipping those preempted `max_preemptions_per_request`
+  times if any other can go.
 
-Preemption policy (victim in `_pick_victim`, mode in `_preempt`): when a running request needs a
-block and none is free, the victim is the latest-arriving request among those not yet given a
-slot this step (the needy one included) that has been preempted fewer than
-`max_preemptions_per_request` times, or the latest of them all if every one has. Victims are
-never older than the request that needs the block, so the oldest unfinished request is never
-preempted (the pool always holds one max_model_len request): every request eventually becomes
-the oldest and finishes, which is the no-starvation guarantee; the per-request bound spreads
-preemptions over newer requests before one is preempted again. With
-`preemption_mode="swap"` its blocks move to the CPU swap pool; when that pool is full (or in
-"recompute" mode) its blocks are freed and it re-enters the waiting queue to be prefilled again
-from its prompt and the tokens it had generated.
+With `preemption_mode="swap"` a preempted request's blocks move to the CPU swap pool; when that
+pool is full, the request could not come back, or in "recompute" mode, they are freed and it is
+prefilled again later from its prompt and generated tokens. A parked extra is always recomputed.
+
+Chunked prefill (`enable_chunked_prefill`): a prompt whose uncomputed tokens exceed the step's
+remaining budget is prefilled over several steps, each chunk ending on a block boundary where the
+budget allows (`_chunk_size`); it samples only at the chunk that computes its last token
+(`ScheduledSeq.samples`). A request whose prompt logprobs are still to be computed is not chunked
+(every prompt row is scored in one step). Recomputed beams prefill up to their last token, then
+decode together, so that every beam samples in the same step.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import chain
 
 from engine.block_manager import AllocStatus, BlockManager
 from engine.config import SchedulerConfig
+from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence  # the sequence to run
-    group: SequenceGroup  # its request
-    num_tokens: int  # tokens computed for it this step (its uncomputed tail or a chunk of it; 1 when decoding)
-    is_prefill: bool  # True when this step computes more than the last token
-    block_table: list[int] = field(default_factory=list)  # physical block ids, filled at the end of schedule()
-    # False for a prefill chunk that stops short of the sequence's last token: its logits row is
-    # ignored and no token is appended (chunked prefill); True otherwise.
-    samples: bool = True
+_RUNNING = SequenceStatus.RUNNING
+_WAITING = SequenceStatus.WAITING
+_SWAPPED = SequenceStatus.SWAPPED
 
 
 @dataclass
-class SchedulerOutput:
-    """What one step runs. The model runner carries it out; nothing here is a tensor."""
+class _Step:
+    """The step being built: its output, what is left of the token budget, what it runs."""
 
-    scheduled: list[ScheduledSeq] = field(default_factory=list)  # prefills first, then decodes
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
-    preempted: list[str] = field(default_factory=list)  # request ids preempted this step
-    num_batched_tokens: int = 0  # sum of num_tokens
+    out: SchedulerOutput
+    tokens: int
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    scheduled: dict[int, tuple[ScheduledSeq, tuple[int, int] | None]] = field(default_factory=dict)  # by seq id
 
-    @property
-    def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_in or self.blocks_to_swap_out or self.blocks_to_copy)
+    def computed_after(self, seq: Sequence) -> int:
+        """The sequence's num_computed_tokens once this step has run."""
+        entry = self.scheduled.get(seq.seq_id)
+        return seq.num_computed_tokens + (entry[0].num_tokens if entry else 0)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[SequenceGroup] = deque()
-        self.running: list[SequenceGroup] = []  # oldest first
-        self.swapped: deque[SequenceGroup] = deque()  # oldest first
+        self.waiting: deque[SequenceGroup] = deque()  # by priority
+        self.running: list[SequenceGroup] = []  # by priority (oldest first)
+        self.swapped: deque[SequenceGroup] = deque()  # by priority
         self.num_preemptions = {"swap": 0, "recompute": 0}
         self.swapped_blocks = {"in": 0, "out": 0}  # cumulative block counts
+        self.dropped: list[SequenceGroup] = []  # failed by the scheduler, not yet reported by the engine
 
     # ---------------------------------------------------------------- queue ops
     def add(self, group: SequenceGroup) -> None:
-        self.waiting.append(group)
+        _insert(self.waiting, group)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Remove the request from whichever queue holds it, free its blocks; None if unknown."""
@@ -118,155 +136,328 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def oldest(self) -> SequenceGroup | None:
+        """The unfinished request served first (the liveness argument's 'oldest')."""
+        heads = [q[0] for q in (self.waiting, self.swapped) if q] + self.running[:1]
+        return min(heads, key=lambda g: g.priority, default=None)
+
+    # ---------------------------------------------------------------- leads and extras
+    @staticmethod
+    def _lead(group: SequenceGroup) -> list[Sequence]:
+        """The sequences that run with the request's priority: its beams, or its lowest-index
+        unfinished sample."""
+        unfinished = group.unfinished_seqs
+        return unfinished if group.is_beam_search else unfinished[:1]
+
+    def _lead_running(self, group: SequenceGroup) -> bool:
+        return all(s.status == _RUNNING for s in self._lead(group))
+
+    def _running_seqs(self) -> list[Sequence]:
+        return [s for g in self.running for s in g.seqs if s.status == _RUNNING]
+
     # ---------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget_seqs = self.config.max_num_seqs
-        budget_tokens = self.config.max_num_batched_tokens
-        prefills: list[ScheduledSeq] = []
-        decodes: list[ScheduledSeq] = []
+        step = _Step(SchedulerOutput(), self.config.max_num_batched_tokens)
+        oldest = self.oldest()
+        if oldest is not None and not self._lead_running(oldest) and not self._bring_in(oldest, step, preempt=True):
+            logger.error("the oldest request %s cannot be brought in (not expected)", oldest.request_id)
+        lead_preempted = self._fit_running(step, oldest)
 
-        # (1) Running requests: a slot for each sequence's next token, preempting when needed.
-        kept: list[SequenceGroup] = []
-        queue = list(self.running)  # oldest first; victims are taken from the end
-        while queue:
-            group = queue.pop(0)
-            while not self.block_manager.can_append_slots(group):
-                victim = self._pick_victim(queue, group)
-                if victim is group:
-                    self._preempt(group, out)
-                    break
-                queue.remove(victim)
-                self._preempt(victim, out)
-            else:
-                self._schedule_decodes(group, decodes, out)
-                kept.append(group)
-        self.running = kept
-        budget_seqs -= sum(len(g.seqs_with_status(SequenceStatus.RUNNING)) for g in kept)
-        budget_tokens -= sum(s.num_tokens for s in decodes)
-        # (1b) Partially prefilled requests (chunked prefill) continue, after every decode.
-        for group in kept:
-            budget_tokens -= self._schedule_prefill_chunks(group, budget_tokens, prefills)
+        # (1) The oldest request first (all its sequences), then every decode, then chunks.
+        for group in self.running:
+            self._schedule_group(group, step, decode=True, prefill=group is oldest)
+        for group in self.running:
+            if group is not oldest:
+                self._schedule_group(group, step, decode=False, prefill=True)
 
-        # (2) Swapped requests come back before any new request, oldest first.
-        if not out.preempted:
-            while self.swapped:
-                group = self.swapped[0]
-                n = len(group.seqs_with_status(SequenceStatus.SWAPPED))
-                if n > budget_seqs or n > budget_tokens or not self.block_manager.can_swap_in(group):
+        # (2) Leads that are out come in, oldest first.
+        if not lead_preempted:
+            parked_leads = [g for g in self.running if not self._lead_running(g)]
+            for group in sorted(chain(self.swapped, self.waiting, parked_leads), key=lambda g: g.priority):
+                if not self._bring_in(group, step, preempt=False):
                     break
-                self.swapped.popleft()
-                mapping = self.block_manager.swap_in(group)
-                out.blocks_to_swap_in.extend(mapping)
-                self.swapped_blocks["in"] += len(mapping)
-                group.set_status(SequenceStatus.RUNNING)
-                budget_tokens -= self._schedule_decodes(group, decodes, out)
-                # NOTE: one swapped out during its chunked prefill goes on prefilling.
-                budget_tokens -= self._schedule_prefill_chunks(group, budget_tokens, prefills)
-                self.running.append(group)
-                budget_seqs -= n
 
-        # (3) Waiting requests, first come first served.
-        if not out.preempted and not self.swapped:
-            while self.waiting:
-                group = self.waiting[0]
-                seqs = group.seqs_with_status(SequenceStatus.WAITING)
-                # NOTE: the token budget is charged for what this step computes: a prompt's
-                # prefix-cache hits cost nothing.
-                num_tokens = self.block_manager.num_tokens_to_compute(group)
-                whole = not self._may_chunk(group)
-                if len(seqs) > budget_seqs or (num_tokens > budget_tokens if whole else budget_tokens < 1):
+        # (3) Parked extras come back into spare room.
+        if not step.out.preempted:
+            for group in [g for g in self.running if g.seqs_with_status(_WAITING)]:
+                if not self._admit(group, group.seqs_with_status(_WAITING), step, spare=True):
                     break
-                status = self.block_manager.can_allocate(group)
-                if status is AllocStatus.LATER:
-                    break
-                if status is AllocStatus.NEVER:
-                    # The engine rejects such prompts up front; this guards against a pool
-                    # that shrank under a request (never expected).
-                    logger.error("request %s can never fit in the KV pool; aborting it", group.request_id)
-                    self.waiting.popleft()
-                    group.set_status(SequenceStatus.FINISHED_ABORTED)
-                    continue
-                self.waiting.popleft()
-                # NOTE: a chunked prompt publishes no prefix-cache hashes for blocks it has not
-                # computed yet; the engine registers each block once its chunk has run.
-                self.block_manager.allocate(group, register=whole)
-                first_admission = group.metrics.first_scheduled_time is None
-                for seq in seqs:
-                    if first_admission:
-                        group.num_cached_tokens = seq.num_computed_tokens
-                    seq.status = SequenceStatus.RUNNING
-                    if whole:
-                        prefills.append(ScheduledSeq(seq, group, seq.num_uncomputed_tokens, True))
-                if whole:
-                    budget_tokens -= sum(s.num_uncomputed_tokens for s in seqs)
-                else:
-                    budget_tokens -= self._schedule_prefill_chunks(group, budget_tokens, prefills)
-                self.running.append(group)
-                budget_seqs -= len(seqs)
-        self.running.sort(key=lambda g: g.arrival_time)
-        out.scheduled = prefills + decodes
+        out = step.out
+        out.scheduled = step.prefills + step.decodes
         for s in out.scheduled:
             s.block_table = self.block_manager.block_table(s.seq)
         out.num_batched_tokens = sum(s.num_tokens for s in out.scheduled)
         return out
 
-    # ---------------------------------------------------------------- helpers of schedule()
+    # ---------------------------------------------------------------- making room
+    def _fit_running(self, step: _Step, oldest: SequenceGroup | None) -> bool:
+        """Park extras, then preempt the newest requests, until every running sequence can get a
+        slot for its next token and at most max_num_seqs run. Returns whether a request was
+        preempted whole."""
+        bm = self.block_manager
+        preempted = False
+        while True:
+            seqs = self._running_seqs()
+            if len(seqs) <= self.config.max_num_seqs and bm.num_append_blocks(seqs) <= bm.num_free_gpu_blocks:
+                return preempted
+            if self._park_lowest_extra(step):
+                continue
+            victim = self._pick_victim([g for g in self.running if g is not oldest])
+            if victim is None:
+                logger.error("the oldest request %s does not fit on its own (not expected)", oldest.request_id)
+                return preempted
+            self.running.remove(victim)
+            self._preempt(victim, step.out)
+            preempted = True
+
+    def _pick_victim(self, candidates: list[SequenceGroup]) -> SequenceGroup | None:
+        """The latest arrival among `candidates`, skipping requests already preempted
+        `max_preemptions_per_request` times if possible."""
+        pool = sorted(candidates, key=lambda g: g.priority)
+        limit = self.config.max_preemptions_per_request
+        for g in reversed(pool):
+            if g.num_preemptions < limit:
+                return g
+        return pool[-1] if pool else None
+
+    def _park_lowest_extra(self, step: _Step) -> bool:
+        """Park the running extra with the lowest priority (the newest request's highest-index
+        one; no sibling waits for its blocks, see `_caught_up`), taking back what this step had
+        scheduled for it. False if no extra runs."""
+        for group in reversed(self.running):
+            if group.is_beam_search:
+                continue
+            lead = self._lead(group)
+            extras = [s for s in group.seqs if s.status == _RUNNING and s not in lead]
+            if extras:
+                self._park(group, extras[-1], step)
+                return True
+        return False
+
+    def _park(self, group: SequenceGroup, seq: Sequence, step: _Step) -> None:
+        entry = step.scheduled.pop(seq.seq_id, None)
+        if entry is not None:
+            scheduled, cow = entry
+            (step.prefills if scheduled.is_prefill else step.decodes).remove(scheduled)
+            step.tokens += scheduled.num_tokens
+            if cow is not None:
+                step.out.blocks_to_copy.remove(cow)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens, seq.status, seq.waits_for = 0, _WAITING, None
+        self._count_preemption(group, step.out, "recompute", f"parked sample {seq.index} of")
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        if self.config.preemption_mode == "swap" and bm.can_swap_out(group) and bm.fits_pool_after_swap(group):
+            mapping = bm.swap_out(group)
+            out.blocks_to_swap_out.extend(mapping)
+            self.swapped_blocks["out"] += len(mapping)
+            for seq in group.seqs_with_status(_RUNNING):
+                seq.status = _SWAPPED
+            _insert(self.swapped, group)
+            mode = "swap"
+        else:
+            for seq in group.unfinished_seqs:
+                bm.free(seq)
+                seq.num_computed_tokens, seq.status, seq.waits_for = 0, _WAITING, None
+            _insert(self.waiting, group)
+            mode = "recompute"
+        self._count_preemption(group, out, mode, "preempted")
+
+    def _count_preemption(self, group: SequenceGroup, out: SchedulerOutput, mode: str, what: str) -> None:
+        group.num_preemptions += 1
+        group.metrics.num_preemptions += 1
+        out.preempted.append(group.request_id)
+        self.num_preemptions[mode] += 1
+        logger.warning("%s request %s by %s (blocks ran out); %d preemptions so far", what, group.request_id,
+                       mode, sum(self.num_preemptions.values()))
+
+    # ---------------------------------------------------------------- bringing leads in
+    def _bring_in(self, group: SequenceGroup, step: _Step, *, preempt: bool) -> bool:
+        """Swap in or admit the request's lead (with as many other samples as fit as they are),
+        parking extras for room, and with `preempt` (the oldest, before anything is scheduled)
+        preempting newer requests too. Scheduled at once unless `preempt`. False if it does
+        not fit now."""
+        bm = self.block_manager
+        swapped = group in self.swapped
+        if swapped:
+            seqs = needed = group.seqs_with_status(_SWAPPED)
+        else:
+            seqs = group.seqs_with_status(_WAITING)
+            needed = seqs if self._all_at_once(group) else seqs[:1]
+        slots = max(len(needed), group.params.best_of if group.is_beam_search else 0)
+
+        def fits() -> bool:
+            if len(self._running_seqs()) + slots > self.config.max_num_seqs:
+                return False
+            if swapped:  # each swapped sequence decodes a token (or computes a chunk) at once
+                return bm.can_swap_in(group) and (preempt or step.tokens >= len(needed))
+            fits_pool = bm.can_allocate(group, needed) is AllocStatus.OK
+            return fits_pool and (preempt or self._prefill_fits(group, needed, step))
+
+        while not fits():
+            if self._park_lowest_extra(step):
+                continue
+            victim = self._pick_victim([g for g in self.running if g.priority > group.priority]) if preempt else None
+            if victim is None:
+                if group in self.waiting and bm.can_allocate(group, needed) is AllocStatus.NEVER:
+                    self._drop(group, "The request needs more KV blocks than the whole cache holds.")
+                return False
+            self.running.remove(victim)
+            self._preempt(victim, step.out)
+        if swapped:
+            self.swapped.remove(group)
+            self._swap_in(group, step)
+        else:
+            self._allocate(group, self._largest_fitting(group, seqs, len(needed), step, preempt), step, preempt)
+        if group not in self.running:
+            if group in self.waiting:
+                self.waiting.remove(group)
+            _insert(self.running, group)
+        if not preempt:
+            self._schedule_group(group, step, decode=True, prefill=True)
+        return True
+
+    def _largest_fitting(self, group: SequenceGroup, seqs: list[Sequence], least: int, step: _Step,
+                         ignore_budget: bool) -> list[Sequence]:
+        """The longest prefix of `seqs` (at least `least`, which fits) that fits the pool, the
+        sequence slots and the token budget as they are."""
+        bm = self.block_manager
+        room = self.config.max_num_seqs - len(self._running_seqs())
+        for j in range(min(len(seqs), max(room, least)), least, -1):
+            sub = seqs[:j]
+            if bm.can_allocate(group, sub) is not AllocStatus.OK:
+                continue
+            if ignore_budget or self._prefill_fits(group, sub, step):
+                return sub
+        return seqs[:least]
+
+    def _prefill_fits(self, group: SequenceGroup, seqs: list[Sequence], step: _Step) -> bool:
+        """Whether the step's token budget takes these waiting sequences' prefill: all of it
+        without chunking, a first chunk with it."""
+        if self._may_chunk(group):
+            return step.tokens >= 1
+        return self.block_manager.num_tokens_to_compute(group, seqs) <= step.tokens
+
+    def _admit(self, group: SequenceGroup, seqs: list[Sequence], step: _Step, spare: bool) -> bool:
+        """Admit as many of the parked `seqs` as fit, leaving (`spare`) a free block per running
+        sequence; schedules their prefills. False if none fit."""
+        bm = self.block_manager
+        room = self.config.max_num_seqs - len(self._running_seqs())
+        for j in range(min(len(seqs), room), 0, -1):
+            sub = seqs[:j]
+            margin = len(self._running_seqs()) + j if spare else 0
+            if bm.can_allocate(group, sub, reserve=margin) is AllocStatus.OK and self._prefill_fits(group, sub, step):
+                self._allocate(group, sub, step, schedule_later=False)
+                self._schedule_group(group, step, decode=True, prefill=True, only=sub)
+                return True
+        return False
+
+    def _allocate(self, group: SequenceGroup, seqs: list[Sequence], step: _Step, schedule_later: bool) -> None:
+        """Blocks for `seqs` (can_allocate said OK); they become RUNNING."""
+        first_admission = group.metrics.first_scheduled_time is None
+        # NOTE: blocks whose tokens this step might not compute (a chunk, a recomputed beam that
+        # stops short of its last token, anything scheduled after (1)) publish no prefix-cache
+        # hash yet; the engine registers each block once its tokens have run.
+        register = not schedule_later and not self._may_chunk(group) and not self._is_multi_beam(group)
+        self.block_manager.allocate(group, seqs, register=register)
+        for seq in seqs:
+            if first_admission:
+                group.num_cached_tokens = seq.num_computed_tokens
+            seq.status = _RUNNING
+
+    def _swap_in(self, group: SequenceGroup, step: _Step) -> None:
+        mapping = self.block_manager.swap_in(group)
+        step.out.blocks_to_swap_in.extend(mapping)
+        self.swapped_blocks["in"] += len(mapping)
+        for seq in group.seqs_with_status(_SWAPPED):
+            seq.status = _RUNNING
+
+    def _drop(self, group: SequenceGroup, message: str) -> None:
+        """Fail a request that can never run (the engine refuses such requests up front; this
+        guards against a pool that shrank under one). The engine reports it from `dropped`."""
+        logger.error("request %s can never run: %s", group.request_id, message)
+        for queue in (self.waiting, self.running, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        self._free(group)
+        group.error, group.invalid_request = message, True
+        group.set_status(SequenceStatus.FINISHED_ABORTED)
+        self.dropped.append(group)
+
+    def _all_at_once(self, group: SequenceGroup) -> bool:
+        """Whether the group's waiting sequences come in together: beams (they sample together)
+        and a request whose prompt logprobs are still to be computed."""
+        return group.is_beam_search or self._logprobs_pending(group)
+
     @staticmethod
-    def _is_prefilling(seq: Sequence) -> bool:
-        """Whether a running sequence is part way through a (chunked) prefill: it has sampled
-        nothing yet, or more than its last token is uncomputed (a recompute in chunks).
-        NOTE: a recomputed sequence with only its last token left is simply decoded."""
-        return not seq.output_token_ids or seq.num_uncomputed_tokens > 1
+    def _logprobs_pending(group: SequenceGroup) -> bool:
+        return group.params.prompt_logprobs is not None and group.prompt_logprobs is None
 
     def _may_chunk(self, group: SequenceGroup) -> bool:
-        """Whether the waiting group may be prefilled in chunks: chunked prefill is on and its
+        """Whether the group's prefills may be split over steps: chunked prefill is on and its
         prompt logprobs (which need every prompt row in one step) are not still to be computed."""
-        pending_logprobs = group.params.prompt_logprobs is not None and group.prompt_logprobs is None
-        return self.config.enable_chunked_prefill and not pending_logprobs
+        return self.config.enable_chunked_prefill and not self._logprobs_pending(group)
 
-    def _schedule_decodes(self, group: SequenceGroup, decodes: list[ScheduledSeq], out: SchedulerOutput) -> int:
-        """A slot for the next token of each of the group's running sequences that decodes
-        (`can_append_slots` said yes); appends them to `decodes`. Returns how many."""
-        n = 0
-        seqs = group.seqs_with_status(SequenceStatus.RUNNING)
-        lead = seqs[0] if seqs and self._is_prefilling(seqs[0]) else None
+    @staticmethod
+    def _is_multi_beam(group: SequenceGroup) -> bool:
+        """A beam search past its first step: its beams sample together."""
+        return group.is_beam_search and len(group.unfinished_seqs) > 1
+
+    # ---------------------------------------------------------------- what runs
+    def _schedule_group(self, group: SequenceGroup, step: _Step, *, decode: bool, prefill: bool,
+                        only: Iterable[Sequence] | None = None) -> None:
+        """Schedule the group's running sequences (or `only` these), in index order, within the
+        step's token budget: decodes (`decode`) take a slot for their next token, prefills
+        (`prefill`) their next chunk (or all their uncomputed tokens without chunking).
+        Beams decode together or not at all; recomputed beams stop a token short."""
+        seqs = list(only) if only is not None else group.seqs_with_status(_RUNNING)
+        beams = self._is_multi_beam(group)
+        if beams:
+            if any(self._is_prefilling(s) for s in seqs):
+                decode = False  # the others wait until every beam can sample
+            elif decode and len(seqs) > step.tokens:
+                return
         for seq in seqs:
-            if self._is_prefilling(seq):
-                continue  # its blocks were all allocated at admission
-            if lead is not None and seq.num_computed_tokens > lead.num_computed_tokens:
-                # NOTE: a sample recomputed with its siblings counts the prompt blocks it shares
-                # with the first as computed (BlockManager.allocate); it waits for them.
+            if seq.seq_id in step.scheduled or step.tokens < 1:
                 continue
-            cow = self.block_manager.append_slot(seq)
-            if cow is not None:
-                out.blocks_to_copy.append(cow)
-            decodes.append(ScheduledSeq(seq, group, seq.num_uncomputed_tokens, False))
-            n += 1
-        return n
-
-    def _schedule_prefill_chunks(self, group: SequenceGroup, budget: int, prefills: list[ScheduledSeq]) -> int:
-        """The next chunk of each of the group's running sequences that is still prefilling,
-        within `budget` tokens; appends them to `prefills`. Returns the tokens scheduled.
-        Without chunked prefill no running sequence is ever part way through its prefill."""
-        used = 0
-        lead_end: int | None = None  # what the group's first prefilling sequence has computed after this step
-        for seq in group.seqs_with_status(SequenceStatus.RUNNING):
             if not self._is_prefilling(seq):
-                continue
-            if lead_end is not None and seq.num_computed_tokens > lead_end:
-                # NOTE: samples recomputed together share the first one's prompt blocks
-                # (BlockManager.allocate); one waits until those are computed (in this step
-                # at the latest: every layer writes the step's K/V before attending).
-                continue
-            n = self._chunk_size(seq, budget - used)
-            if n == 0:
-                break
-            if lead_end is None:
-                lead_end = seq.num_computed_tokens + n
-            prefills.append(ScheduledSeq(seq, group, n, True, samples=n == seq.num_uncomputed_tokens))
-            used += n
-        return used
+                if decode and self._caught_up(seq, step):
+                    cow = self.block_manager.append_slot(seq)
+                    if cow is not None:
+                        step.out.blocks_to_copy.append(cow)
+                    self._add(step, ScheduledSeq(seq, group, seq.num_uncomputed_tokens, False), cow)
+            elif prefill:
+                n = self._chunk_size(seq, step.tokens) if self._may_chunk(group) else seq.num_uncomputed_tokens
+                if beams:
+                    n = min(n, seq.num_uncomputed_tokens - 1)
+                if 0 < n <= step.tokens and self._caught_up(seq, step):
+                    self._add(step, ScheduledSeq(seq, group, n, True, samples=n == seq.num_uncomputed_tokens))
+
+    @staticmethod
+    def _add(step: _Step, s: ScheduledSeq, cow: tuple[int, int] | None = None) -> None:
+        (step.prefills if s.is_prefill else step.decodes).append(s)
+        step.tokens -= s.num_tokens
+        step.scheduled[s.seq.seq_id] = (s, cow)
+
+    @staticmethod
+    def _caught_up(seq: Sequence, step: _Step) -> bool:
+        """Whether the sibling whose prompt blocks `seq` shares (`waits_for`) will have computed
+        them by the end of this step (every layer writes the step's K/V before attending)."""
+        if seq.waits_for is None:
+            return True
+        lead, shared = seq.waits_for
+        if lead.num_computed_tokens >= shared:
+            seq.waits_for = None
+            return True
+        return step.computed_after(lead) >= shared
+
+    @staticmethod
+    def _is_prefilling(seq: Sequence) -> bool:
+        """Whether a running sequence is part way through a prefill: it has sampled nothing
+        yet, or more than its last token is uncomputed (a recompute).
+        NOTE: a recomputed sequence with only its last token left is simply decoded."""
+        return not seq.output_token_ids or seq.num_uncomputed_tokens > 1
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         """How many of the sequence's uncomputed tokens to compute within `budget`: all if they
@@ -281,42 +472,12 @@ class Scheduler:
         end = (seq.num_computed_tokens + budget) // bs * bs
         return end - seq.num_computed_tokens if end > seq.num_computed_tokens else budget
 
-    def _pick_victim(self, queue: list[SequenceGroup], current: SequenceGroup) -> SequenceGroup:
-        """The latest arrival among the not-yet-scheduled running requests (and `current`),
-        skipping requests already preempted `max_preemptions_per_request` times if possible."""
-        candidates = queue + [current]
-        candidates.sort(key=lambda g: g.arrival_time)
-        limit = self.config.max_preemptions_per_request
-        for g in reversed(candidates):
-            if g.num_preemptions < limit:
-                return g
-        return candidates[-1]
 
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        group.num_preemptions += 1
-        group.metrics.num_preemptions += 1
-        out.preempted.append(group.request_id)
-        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(group):
-            mapping = self.block_manager.swap_out(group)
-            out.blocks_to_swap_out.extend(mapping)
-            self.swapped_blocks["out"] += len(mapping)
-            group.set_status(SequenceStatus.SWAPPED)
-            self.swapped.append(group)
-            self.swapped = deque(sorted(self.swapped, key=lambda g: g.arrival_time))
-            mode = "swap"
-        else:
-            for seq in group.unfinished_seqs:
-                self.block_manager.free(seq)
-                seq.num_computed_tokens = 0
-                seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(group)
-            self.waiting = deque(sorted(self.waiting, key=lambda g: g.arrival_time))
-            mode = "recompute"
-        self.num_preemptions[mode] += 1
-        total = sum(self.num_preemptions.values())
-        logger.warning(
-            "preempted request %s by %s (blocks ran out); %d preemptions so far",
-            group.request_id,
-            mode,
-            total,
-        )
+def _insert(queue, group: SequenceGroup) -> None:
+    """Put `group` in a queue kept in priority order (at the end when it is the newest)."""
+    if not queue or queue[-1].priority <= group.priority:
+        queue.append(group)
+        return
+    i = next(i for i, g in enumerate(queue) if g.priority > group.priority)
+    queue.insert(i, group)
+

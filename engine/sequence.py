@@ -9,8 +9,9 @@ import time
 
 import torch
 
-from engine.outputs import Logprob, RequestMetrics
+from engine.outputs import Logprob, OutputKind, RequestMetrics
 from engine.sampling_params import SamplingParams
+from engine.stop_strings import StopStrings
 
 
 class SequenceStatus(enum.IntEnum):
@@ -29,17 +30,19 @@ class SequenceStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        """The one map from status to OpenAI's finish_reason."""
+        """The one map from status to OpenAI's finish_reason: "stop" or "length", None while
+        running and for an aborted sequence (a request that ends aborted reports an error, or
+        nothing: its client has gone; metrics label it "abort")."""
         return _FINISH_REASONS.get(self)
 
 
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
 }
 
 _seq_ids = itertools.count()
+_group_numbers = itertools.count()  # admission order, breaks ties between equal arrival times
 
 
 class Sequence:
@@ -57,6 +60,14 @@ class Sequence:
         self.generator = generator
         self.detokenizer = None  # engine.tokenizer.IncrementalDetokenizer, set by the engine
         self.grammar = None  # engine.structured_output.GrammarState under structured outputs
+        # Set by BlockManager.allocate when this sequence was admitted together with a sibling
+        # whose first prompt blocks it shares: (that sibling, the shared tokens). The sibling
+        # computes them; the scheduler runs this one only once they are (or will be this step).
+        self.waits_for: tuple[Sequence, int] | None = None
+        self.stop_state: list[int] | None = None  # the request's StopStrings state, when it has stop strings
+        # OutputKind.DELTA: how much of the (visible) text and of the tokens has been reported.
+        self.delta_sent = (0, 0)
+        self.delta_sent_finished = False
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -82,6 +93,7 @@ class Sequence:
         child.output_logprobs = list(self.output_logprobs)
         child.output_text = self.output_text
         child.grammar = self.grammar.fork() if self.grammar is not None else None
+        child.stop_state = list(self.stop_state) if self.stop_state is not None else None
         return child
 
     def __repr__(self) -> str:
@@ -104,6 +116,8 @@ class SequenceGroup:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        # The scheduler's order: first come, first served (ties by creation order).
+        self.priority = (self.arrival_time, next(_group_numbers))
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.seqs: list[Sequence] = [Sequence(prompt_token_ids, 0, gen)]
         self.metrics = RequestMetrics(arrival_time=self.arrival_time, num_prompt_tokens=len(prompt_token_ids))
@@ -116,6 +130,24 @@ class SequenceGroup:
         # With params.prompt_logprobs: one entry per prompt token (None for the first), computed
         # once, at the request's first prefill.
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.beam_state = None  # engine.beam_search.BeamState once a beam search has started
+        self.output_kind = OutputKind.CUMULATIVE  # what each RequestOutput holds (set by the engine)
+        self.stop_token_set = frozenset(params.stop_token_ids)
+        self.stop_strings = StopStrings(params.stop) if params.stop else None
+        if self.stop_strings is not None:
+            self.seqs[0].stop_state = self.stop_strings.start()
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.params.use_beam_search
+
+    @property
+    def num_seqs_reserved(self) -> int:
+        """The most sequences this request can run at once from now on (what it holds of the
+        scheduler's sequence budget): best_of before its first sample (samples and beams fork
+        from the prompt's sequence), then its unfinished sequences."""
+        started = self.beam_state is not None if self.params.use_beam_search else self.forked
+        return len(self.unfinished_seqs) if started else self.params.best_of
 
     def seqs_with_status(self, status: SequenceStatus) -> list[Sequence]:
         return [s for s in self.seqs if s.status == status]

@@ -27,11 +27,13 @@ def group(rid: str, n_tokens: int, max_tokens: int = 4, t: float = 0.0, first: i
 
 
 def fake_step(sched: Scheduler):
-    """schedule, 'run' (mark computed, append a token unless a partial prefill chunk), finish at
-    max_tokens, free."""
+    """schedule, 'run' (mark computed, register prefilled blocks, append a token unless a partial
+    prefill chunk), finish at max_tokens, free."""
     out = sched.schedule()
     for s in out.scheduled:
         s.seq.num_computed_tokens += s.num_tokens
+        if s.is_prefill:  # as the engine does: computed full blocks join the prefix cache
+            sched.block_manager.register_full_blocks(s.seq, s.group.params.cache_salt)
         if not s.samples:
             assert s.is_prefill and s.seq.num_uncomputed_tokens > 0
             continue
@@ -310,8 +312,9 @@ def test_preempted_partial_prefill_goes_on_prefilling(mode):
     # 7 shared full prompt blocks (28 tokens): the second sample starts at 28 and joins in the
     # step in which the first computes them
     (30, [[(0, 0, 16, False)], [(0, 16, 15, True), (1, 28, 1, False)], [(1, 29, 2, True), (0, 31, 1, True)]]),
-    # only its last token to compute: it decodes once the first has computed the shared blocks
-    (28, [[(0, 0, 16, False)], [(0, 16, 13, True)], [(0, 29, 1, True), (1, 28, 1, True)]]),
+    # only its last token to compute: it decodes in the step in which the first computes the
+    # shared blocks
+    (28, [[(0, 0, 16, False)], [(0, 16, 13, True), (1, 28, 1, True)], [(0, 29, 1, True), (1, 29, 1, True)]]),
 ])
 def test_recomputed_samples_wait_for_the_shared_prompt_blocks(prompt_len, steps):
     """Two samples of one request recomputed in chunks (budget 16) share the first one's prompt

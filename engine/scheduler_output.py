@@ -1,0 +1,35 @@
+"""What `Scheduler.schedule()` hands to the engine for one step: plain dataclasses, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence, SequenceGroup
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence  # the sequence to run
+    group: SequenceGroup  # its request
+    num_tokens: int  # tokens computed for it this step (its uncomputed tail or a chunk of it; 1 when decoding)
+    is_prefill: bool  # True when this step computes more than the last token
+    block_table: list[int] = field(default_factory=list)  # physical block ids, filled at the end of schedule()
+    # False for a prefill chunk that stops short of the sequence's last token: its logits row is
+    # ignored and no token is appended (chunked prefill); True otherwise.
+    samples: bool = True
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs. The model runner carries it out; nothing here is a tensor."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # prefills first, then decodes
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    preempted: list[str] = field(default_factory=list)  # request ids preempted (or parking a sample) this step
+    num_batched_tokens: int = 0  # sum of num_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.blocks_to_swap_in or self.blocks_to_swap_out or self.blocks_to_copy)

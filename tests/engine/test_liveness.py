@@ -1,0 +1,303 @@
+"""Liveness under KV pressure, as a property: random workloads and pool sizes through the real
+Scheduler and BlockManager (no model), with the engine's post-step bookkeeping simulated:
+samples fork after the prompt (n / best_of), beams fork and drop every step, prefilled blocks are
+registered for the prefix cache, sequences finish at max_tokens (ignore_eos).
+
+Asserted at every step: the pool invariants (`check_integrity`), the budgets, that beams are
+scheduled together. At the end: every request finished, within the bound that the scheduler's
+docstring derives (W = s * (pre + M) steps after it became the oldest), and the pool is whole
+and free. The first example is the issue's reproducer: one n=16 request that outgrows the pool
+(and the swap pool) wedged the engine for good.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import strategies as st
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import SequenceGroup, SequenceStatus
+
+
+@dataclass(frozen=True)
+class Req:
+    arrival: int  # the step before which it is added
+    prompt_len: int
+    max_tokens: int
+    best_of: int
+    beam: bool
+    prefix: int  # how many leading tokens come from the shared base prompt (prefix caching)
+
+
+@dataclass(frozen=True)
+class World:
+    gpu_blocks: int
+    cpu_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    budget: int
+    chunked: bool
+    prefix_caching: bool
+    mode: str
+    max_preemptions: int
+    reqs: tuple[Req, ...]
+    seed: int
+
+
+def admissible(w: World, r: Req) -> bool:
+    """The engine's admission checks (LLMEngine._validate): context, width, beams that fit."""
+    if r.prompt_len + r.max_tokens > w.max_model_len or r.best_of > w.max_num_seqs:
+        return False
+    blocks = -(-(r.prompt_len + r.max_tokens) // w.block_size)
+    return not r.beam or r.best_of * blocks <= w.gpu_blocks
+
+
+def bound(w: World, r: Req) -> int:
+    """Steps within which a request finishes once it is the oldest (scheduler docstring)."""
+    pre = r.prompt_len + r.max_tokens if w.chunked else 1
+    return r.best_of * (pre + r.max_tokens) + 1
+
+
+def make_group(w: World, i: int, r: Req) -> SequenceGroup:
+    # NOTE: ids within the tiny model's vocabulary (1024); the tails differ between requests.
+    base = [3 + (7 * k) % 1000 for k in range(r.prefix)]
+    ids = base + [3 + (500 + 97 * i + 13 * k) % 1000 for k in range(r.prompt_len - r.prefix)]
+    params = SamplingParams(n=2 if r.beam else 1, best_of=r.best_of, max_tokens=r.max_tokens, ignore_eos=True,
+                            use_beam_search=r.beam, temperature=0.0 if r.beam else 1.0)
+    g = SequenceGroup(f"r{i}", None, ids, params, arrival_time=float(r.arrival))
+    g.max_tokens = r.max_tokens
+    return g
+
+
+def step(sched: Scheduler, rng: random.Random, w: World) -> list[SequenceGroup]:
+    """One engine step without a model; returns the requests that finished."""
+    bm = sched.block_manager
+    out = sched.schedule()
+    assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
+    running = [s for g in sched.running for s in g.seqs if s.status == SequenceStatus.RUNNING]
+    assert len(running) <= w.max_num_seqs  # (forks may pass it until the next step parks extras)
+    if any(g.request_id in out.preempted for g in [*sched.waiting, *sched.swapped]):
+        # a request was preempted whole: no extra sample may run in its place
+        assert all(len(g.seqs_with_status(SequenceStatus.RUNNING)) <= 1 or g.is_beam_search for g in sched.running)
+    assert out.num_batched_tokens <= w.budget
+    beams: dict[str, list] = {}
+    for s in out.scheduled:
+        assert s.block_table == bm.block_table(s.seq)
+        s.seq.num_computed_tokens += s.num_tokens
+        assert s.seq.num_computed_tokens <= len(s.seq)
+        if s.is_prefill:
+            bm.register_full_blocks(s.seq, None)
+        if not s.samples:
+            continue
+        assert s.seq.num_uncomputed_tokens == 0
+        g = s.group
+        if g.is_beam_search:
+            beams.setdefault(g.request_id, [g, []])[1].append(s.seq)
+            continue
+        seqs = [s.seq]
+        if not g.forked:
+            for k in range(1, g.params.best_of):
+                child = s.seq.fork(k, None)
+                bm.fork(s.seq, child)
+                g.seqs.append(child)
+                seqs.append(child)
+            g.forked = True
+        for seq in seqs:
+            seq.output_token_ids.append(rng.randrange(50))
+            if len(seq.output_token_ids) >= g.max_tokens:
+                seq.status = SequenceStatus.FINISHED_LENGTH
+    for g, seqs in beams.values():
+        beam_step(g, seqs, bm, rng)
+    done = sched.free_finished()
+    bm.check_integrity()
+    return done
+
+
+def beam_step(g: SequenceGroup, seqs: list, bm: BlockManager, rng: random.Random) -> None:
+    """What engine/beam_search.py does to a request's sequences: k next beams from random
+    parents (a parent's first child continues it, others fork it), unchosen parents dropped."""
+    assert sorted(s.seq_id for s in seqs) == sorted(s.seq_id for s in g.unfinished_seqs), "beams not together"
+    g.beam_state = g.beam_state or object()
+    if len(seqs[0].output_token_ids) + 1 >= g.max_tokens:
+        for seq in seqs:
+            seq.output_token_ids.append(1)
+            seq.status = SequenceStatus.FINISHED_LENGTH
+        return
+    parents = [rng.choice(seqs) for _ in range(g.params.best_of)]
+    taken, growing = set(), []
+    for p in parents:
+        if p.seq_id not in taken:
+            taken.add(p.seq_id)
+            growing.append(p)
+        else:
+            child = p.fork(p.index, None)
+            bm.fork(p, child)
+            g.seqs.append(child)
+            growing.append(child)
+    for seq in growing:
+        seq.output_token_ids.append(rng.randrange(50))
+    for seq in seqs:
+        if seq.seq_id not in taken:
+            bm.free(seq)
+            g.seqs.remove(seq)
+
+
+def run(w: World) -> int:
+    """Run the workload to the end, asserting the properties; returns the preemptions it took."""
+    cfg = SchedulerConfig(w.max_num_seqs, w.budget, w.max_model_len, w.mode, w.max_preemptions,
+                          enable_chunked_prefill=w.chunked)
+    bm = BlockManager(w.gpu_blocks, w.cpu_blocks, w.block_size, enable_prefix_caching=w.prefix_caching)
+    sched = Scheduler(cfg, bm)
+    rng = random.Random(w.seed)
+    reqs = [r for r in w.reqs if admissible(w, r)]
+    groups = [make_group(w, i, r) for i, r in enumerate(reqs)]
+    order = sorted(range(len(reqs)), key=lambda i: groups[i].priority)
+    finished_at: dict[str, int] = {}
+    limit = max((r.arrival for r in reqs), default=0) + sum(bound(w, r) for r in reqs) + 1
+    t = 0
+    while len(finished_at) < len(groups):
+        for g, r in zip(groups, reqs):
+            if r.arrival == t:
+                sched.add(g)
+        t += 1
+        for g in step(sched, rng, w):
+            finished_at[g.request_id] = t
+        assert t <= limit, f"no progress: {len(finished_at)}/{len(groups)} finished after {t} steps"
+    # Each request finished within its bound of becoming the oldest: no starvation.
+    oldest_since = 0
+    for i in order:
+        g, r = groups[i], reqs[i]
+        start = max(r.arrival, oldest_since)
+        assert finished_at[g.request_id] <= start + bound(w, r), (g.request_id, finished_at, start, bound(w, r))
+        oldest_since = max(oldest_since, finished_at[g.request_id])
+    assert not sched.has_unfinished()
+    bm.check_integrity()
+    assert not bm.tables and not bm.cpu_tables
+    assert bm.gpu.num_free == bm.gpu.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks
+    return sum(sched.num_preemptions.values())
+
+
+@st.composite
+def worlds(draw) -> World:
+    bs = draw(st.sampled_from([1, 2, 4, 16]))
+    gpu = draw(st.integers(2, 32))
+    # NOTE: a context of at least half the pool, so that a few requests fill it.
+    max_len = draw(st.integers(max(2, min(gpu * bs, 96) // 2), min(gpu * bs, 96)))
+    chunked = draw(st.booleans())
+    seqs = draw(st.integers(1, 12))
+    budget = draw(st.integers(max(seqs, 1 if chunked else max_len), max(seqs, max_len) + 64))
+    reqs = []
+    for _ in range(draw(st.integers(1, 6))):
+        p = draw(st.integers(1, max_len - 1))
+        beam = draw(st.booleans()) and seqs >= 2
+        reqs.append(Req(arrival=draw(st.integers(0, 12)), prompt_len=p,
+                        max_tokens=draw(st.integers(1, max(1, min(max_len - p, 32)))),
+                        best_of=draw(st.integers(2 if beam else 1, min(seqs, 6 if beam else 12))), beam=beam,
+                        prefix=draw(st.integers(0, p))))
+    return World(gpu, draw(st.integers(0, 48)), bs, max_len, seqs, budget, chunked, draw(st.booleans()),
+                 draw(st.sampled_from(["swap", "recompute"])), draw(st.integers(0, 3)), tuple(reqs),
+                 draw(st.integers(0, 2**16)))
+
+
+# The issue's reproducer: --max-model-len 1024 --kv-cache-memory 64MiB --swap-space 0.0625 on
+# SmolLM2 (91 blocks of 16 tokens, as many swap blocks), one n=16 request for 1000 tokens.
+REPRODUCER = World(91, 91, 16, 1024, 64, 2048, False, True, "swap", 8,
+                   (Req(0, 2, 1000, 16, False, 0), Req(5, 3, 3, 1, False, 0)), 0)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_reproducer_request_outgrowing_the_pool_finishes_and_the_next_one_too(mode):
+    run(World(**{**REPRODUCER.__dict__, "mode": mode}))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(World(8, 8, 4, 32, 4, 32, False, False, "swap", 8, (Req(0, 3, 29, 4, False, 0),), 1))
+@example(World(8, 0, 4, 32, 4, 32, True, True, "recompute", 0, (Req(0, 20, 12, 2, True, 8),
+                                                               Req(1, 20, 12, 2, True, 8)), 2))
+@given(worlds())
+def test_every_admitted_request_finishes_within_the_bound(w):
+    event("preempted" if run(w) else "no preemption")
+
+
+# ------------------------------------------------------------------- the real engine, tiny model
+ENGINE_CASES = [  # (chunked, prefix caching, preemption mode, block size, device blocks, swap blocks)
+    (False, False, "swap", 4, 24, 24),
+    (False, True, "recompute", 2, 40, 0),
+    (True, False, "recompute", 4, 20, 8),
+    (True, True, "swap", 1, 80, 40),
+]
+
+
+@pytest.mark.parametrize("chunked, prefix, mode, bs, gpu, cpu", ENGINE_CASES)
+def test_engine_finishes_random_workloads_on_a_small_pool(chunked, prefix, mode, bs, gpu, cpu):
+    """The engine itself (tiny dummy model): n / best_of / beams up to max_num_seqs, prompts
+    sharing prefixes, arrivals over time; every request ends with its full output within the
+    bound, and the pool is free at the end."""
+    from engine.config import EngineArgs
+    from engine.llm_engine import LLMEngine
+
+    max_len, seqs = gpu * bs, 6
+    args = EngineArgs(model="tiny-4kv", load_format="dummy", max_model_len=min(max_len, 64), block_size=bs,
+                      num_gpu_blocks_override=gpu, swap_space=cpu * 4096 * bs / 1024**3, max_num_seqs=seqs,
+                      max_num_batched_tokens=32 if chunked else 64, enable_chunked_prefill=chunked,
+                      enable_prefix_caching=prefix, preemption_mode=mode, max_preemptions_per_request=2)
+    engine = LLMEngine(args.create_engine_config())
+    w = World(gpu, cpu, bs, engine.config.model.max_model_len, seqs, engine.config.scheduler.max_num_batched_tokens,
+              chunked, prefix, mode, 2, (), 0)
+    rng = random.Random(hash((chunked, prefix, mode)))
+    for _ in range(3):
+        reqs = []
+        for i in range(rng.randint(2, 5)):
+            p = rng.randint(1, w.max_model_len - 2)
+            beam = rng.random() < 0.3
+            reqs.append(Req(rng.randint(0, 6), p, rng.randint(1, min(w.max_model_len - p, 20)),
+                            rng.randint(2, seqs) if beam else rng.randint(1, seqs), beam, rng.randint(0, p)))
+        run_engine(engine, w, reqs, rng)
+
+
+def run_engine(engine, w: World, reqs: list[Req], rng: random.Random) -> None:
+    added: dict[str, tuple[Req, int]] = {}
+    finals: dict[str, object] = {}
+    finished_at: dict[str, int] = {}
+    pending = sorted(enumerate(reqs), key=lambda x: x[1].arrival)
+    t = 0
+    limit = max(r.arrival for r in reqs) + sum(bound(w, r) for r in reqs) + 1
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][1].arrival <= t:
+            i, r = pending.pop(0)
+            g = make_group(w, i, r)
+            params = g.params
+            if not r.beam and rng.random() < 0.5:
+                params = SamplingParams(n=r.best_of, max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0)
+            rid = f"{id(reqs)}-{i}"
+            try:
+                engine.add_request(rid, g.prompt_token_ids, params)
+            except ValueError as e:
+                assert not admissible(w, r), e
+                continue
+            added[rid] = (r, t)
+        t += 1
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+                finished_at[out.request_id] = t
+        assert t <= limit, f"no progress after {t} steps"
+    for rid, (r, arrived) in added.items():
+        out = finals[rid]
+        assert out.error is None, out.error
+        assert len(out.outputs) == (2 if r.beam else out.outputs and len(out.outputs))
+        for choice in out.outputs:
+            assert choice.finish_reason == "length" and len(choice.token_ids) <= r.max_tokens
+            if not r.beam:
+                assert len(choice.token_ids) == r.max_tokens
+    bm = engine.block_manager
+    bm.check_integrity()
+    assert not bm.tables and not bm.cpu_tables and bm.gpu.num_free == bm.gpu.num_blocks
