@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import OutputKind, RequestOutput
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -41,7 +41,7 @@ class LLM:
         ids = []
         for prompt, p in zip(prompts, params):
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, p)
+            self.engine.add_request(rid, prompt, p, output_kind=OutputKind.FINAL_ONLY)
             ids.append(rid)
         return self._run(ids)
 

@@ -20,12 +20,17 @@ from engine.metrics import EngineStats
 from engine.executor import create_executor
 from engine.model_runner import StepInput
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from engine.outputs import OutputKind, RequestOutput
 from engine.sampler import Sampler, SampleResult, SamplingRow
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, derive_seed
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.structured_output import ConstraintUnsatisfiable, StructuredOutputCompiler, apply_grammar_masks
+from engine.structured_output import (
+    ConstraintUnsatisfiable,
+    GrammarState,
+    StructuredOutputCompiler,
+    apply_grammar_masks,
+)
 from engine.tokenizer import apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -67,6 +72,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_id, mc.max_model_len)
         self.structured_outputs = StructuredOutputCompiler(self.tokenizer, mc.hf_config.vocab_size)
         self._counters = {"prompt": 0, "generation": 0, "success": {}}
+        self.last_step_empty = False
+        self.newly_scheduled: list[str] = []
         self.last_stats = self._stats(SchedulerOutput(), [], [])
         logger.info(
             "KV cache: %d device blocks of %d tokens (%.2f GiB, %s), %d swap blocks; "
@@ -92,22 +99,29 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
+        prompt_text: str | None = None,
+        grammar: GrammarState | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError (a user error) for an empty, out-of-vocabulary or
-        too long prompt, or a duplicate id."""
+        """Queue a request; its outputs come in `output_kind` (engine/outputs.py). `grammar`:
+        its structured-output constraint already started (`StructuredOutputCompiler.prepare`,
+        off this thread), else it is started here. Raises ValueError (a user error) for an
+        empty, out-of-vocabulary or too long prompt, a request wider than the scheduler
+        allows, or a duplicate id."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer (dummy weights): send token ids")
             text, token_ids = prompt, self.tokenizer(prompt).input_ids
-        else:
-            text, token_ids = None, list(prompt)
+        else:  # token ids, tokenized by the caller (`prompt_text`: their text, if known)
+            text, token_ids = prompt_text, list(prompt)
         self._validate(token_ids, params)
         group = SequenceGroup(request_id, text, token_ids, params, arrival_time)
         group.max_tokens = self._max_tokens(len(token_ids), params)
+        group.output_kind = output_kind
         if params.guided_decoding is not None:
-            group.seqs[0].grammar = self.structured_outputs.start(params.guided_decoding)
+            group.seqs[0].grammar = grammar or self.structured_outputs.start(params.guided_decoding)
         self.output_processor.attach_detokenizer(group.seqs[0], group)
         self.requests[request_id] = group
         self.scheduler.add(group)
@@ -144,6 +158,28 @@ class LLMEngine:
                 f"The prompt needs {needed} KV blocks but the whole KV cache has {bm.gpu.num_blocks}; "
                 "it can never be scheduled."
             )
+        self._validate_width(len(token_ids), params)
+
+    def _validate_width(self, prompt_len: int, params: SamplingParams) -> None:
+        """The scheduler's admission contract (engine/scheduler.py): at most max_num_seqs
+        sequences per request, and beams (which run together) that fit the pool together."""
+        sc, bm = self.config.scheduler, self.block_manager
+        width = params.best_of
+        field = "best_of" if params.best_of != params.n else "n"
+        if width > sc.max_num_seqs:
+            raise ValueError(
+                f"{field} must be at most {sc.max_num_seqs} (the server's max_num_seqs: the most sequences one "
+                f"request may run at once), got {width}."
+            )
+        if params.use_beam_search:
+            length = max(prompt_len + self._max_tokens(prompt_len, params), bm.reserve_tokens or 0)
+            needed = width * bm.num_blocks_for(length)
+            if needed > bm.gpu.num_blocks:
+                raise ValueError(
+                    f"{field} {width} is too wide for beam search over {length} tokens (prompt and max_tokens): "
+                    f"the beams may need {needed} KV blocks of {bm.block_size} tokens, and the whole KV cache has "
+                    f"{bm.gpu.num_blocks}. Lower the beam width or max_tokens."
+                )
 
     def abort_request(self, request_id: str) -> None:
         """Finish the request as aborted and free its blocks now; unknown ids are ignored."""
@@ -172,19 +208,23 @@ class LLMEngine:
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        # NOTE: with work pending, an empty step means nothing could run (the async loop backs
+        # off and its watchdog counts no progress).
+        self.last_step_empty = sched.is_empty
         scheduled_at = time.monotonic()
+        self.newly_scheduled = []  # requests scheduled for the first time this step (left the queue)
         for s in sched.scheduled:
             if s.group.metrics.first_scheduled_time is None:
                 s.group.metrics.first_scheduled_time = scheduled_at
+                self.newly_scheduled.append(s.group.request_id)
         step_input = StepInput.from_scheduler_output(sched, prompt_logprobs.wanted(sched))
         step_output = self.executor.execute(step_input)
         now = time.monotonic()
-        chunked = self.config.scheduler.enable_chunked_prefill
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
-            if chunked and s.is_prefill:
-                # NOTE: a chunked prompt's blocks get their prefix-cache hashes once computed
-                # (Scheduler: allocate(register=False)); before any fork shares them.
+            if s.is_prefill:
+                # NOTE: blocks of a prefill that may run in parts get their prefix-cache hashes
+                # once computed (Scheduler._allocate, register=False); before any fork shares them.
                 self.block_manager.register_full_blocks(s.seq, s.group.params.cache_salt)
         prompt_logprobs.assign(sched, step_input, step_output.prompt_scores, self.output_processor.logprob_entry,
                                self._fail)
@@ -193,13 +233,15 @@ class LLMEngine:
         # A request whose only work this step was a prefill chunk short of its prompt's end has
         # nothing new to report.
         touched = {id(s.group): s.group for s in sched.scheduled if s.samples or s.group.is_finished}
-        # requests the scheduler dropped (can never fit) are finished too
-        for rid, group in list(self.requests.items()):
-            if group.is_finished and id(group) not in touched:
-                touched[id(group)] = group
+        # requests the scheduler dropped (they can never run) are finished too, with their error
+        for group in self.scheduler.dropped:
+            touched.setdefault(id(group), group)
+        self.scheduler.dropped.clear()
         outputs = []
         for group in touched.values():
-            outputs.append(self.output_processor.output(group))
+            output = self.output_processor.output(group)
+            if output is not None:
+                outputs.append(output)
             if group.is_finished:
                 self._finish(group, now)
         self.last_stats = self._stats(sched, ttfts, itls, [g.metrics for g in touched.values() if g.is_finished])
@@ -305,18 +347,18 @@ class LLMEngine:
 
     def _row(self, seq: Sequence, group: SequenceGroup) -> SamplingRow:
         p = group.params
-        masked: set[int] = set()
+        masked: frozenset[int] = frozenset()
         if len(seq.output_token_ids) < p.min_tokens:
-            masked = set(p.stop_token_ids)
+            masked = group.stop_token_set
             if self.eos_token_id is not None and not p.ignore_eos:
-                masked.add(self.eos_token_id)
+                masked = masked | {self.eos_token_id}
         return SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids, seq.generator, masked)
 
     def _fork(self, parent: Sequence, group: SequenceGroup, count: int) -> list[Sequence]:
         children = []
         for i in range(1, count + 1):
             seed = group.params.seed
-            gen = torch.Generator().manual_seed(seed + i) if seed is not None else None
+            gen = torch.Generator().manual_seed(derive_seed(seed, i)) if seed is not None else None
             child = parent.fork(i, gen)
             self.output_processor.attach_detokenizer(child, group)
             self.block_manager.fork(parent, child)
@@ -333,8 +375,11 @@ class LLMEngine:
         self.requests.pop(group.request_id, None)
         m = group.metrics
         m.finished_time = now
-        reasons = [s.status.finish_reason for s in group.seqs]
-        m.finish_reason = "abort" if "abort" in reasons else ("stop" if "stop" in reasons else "length")
+        statuses = {s.status for s in group.seqs}
+        if SequenceStatus.FINISHED_ABORTED in statuses or group.error is not None:
+            m.finish_reason = "abort"  # the metrics' label; clients never see it
+        else:
+            m.finish_reason = "stop" if SequenceStatus.FINISHED_STOPPED in statuses else "length"
         self._counters["success"][m.finish_reason] = self._counters["success"].get(m.finish_reason, 0) + 1
 
     # ---------------------------------------------------------------- views

@@ -2,18 +2,20 @@
 
 `OutputProcessor` owns the per-token bookkeeping that follows sampling (append the token, its
 logprob entry, incremental detokenization, stop tokens and stop strings, the length limit) and
-builds each step's `RequestOutput` from a request's sequences. It decides nothing about
-scheduling and touches no tensors; the engine calls it from its own thread.
+builds each step's `RequestOutput` from a request's sequences, in the request's `OutputKind`.
+It decides nothing about scheduling and touches no tensors; the engine calls it from its own
+thread. Per step and sequence its work is linear in what is new (a delta output slices only
+the new text and tokens; stop strings advance a matcher over the new text).
 """
 
 from __future__ import annotations
 
 from engine.beam_search import beam_search_outputs
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
 from engine.sampler import SampleResult
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.structured_output import ConstraintUnsatisfiable
+from engine.stop_strings import StopStrings
+from engine.structured_output import MAX_STEP_MASK_S, ConstraintTooComplex, ConstraintUnsatisfiable
 from engine.tokenizer import IncrementalDetokenizer, decode_token
 
 
@@ -58,6 +60,10 @@ class OutputProcessor:
         t = sample.token_id
         seq.output_token_ids.append(t)
         seq.cumulative_logprob += sample.logprob
+        if seq.grammar is not None and seq.grammar.slow_mask_s is not None:
+            raise ConstraintTooComplex(
+                f"the structured-output constraint is too complex: a token mask took "
+                f"{seq.grammar.slow_mask_s * 1e3:.0f} ms (the limit is {MAX_STEP_MASK_S * 1e3:.0f} ms); simplify it.")
         if seq.grammar is not None and not seq.grammar.accept(t):
             raise ConstraintUnsatisfiable(
                 "the structured-output constraint cannot be met with this model's vocabulary: "
@@ -67,7 +73,7 @@ class OutputProcessor:
         n_out = len(seq.output_token_ids)
         can_stop = n_out >= p.min_tokens
         is_eos = t == self.eos_token_id and not p.ignore_eos
-        if can_stop and (is_eos or t in p.stop_token_ids):
+        if can_stop and (is_eos or t in group.stop_token_set):
             seq.status = SequenceStatus.FINISHED_STOPPED
             seq.stop_reason = None if is_eos else t
             if seq.detokenizer is not None:
@@ -76,8 +82,8 @@ class OutputProcessor:
         if seq.detokenizer is not None:
             delta = seq.detokenizer.step(t)
             seq.output_text += delta
-            if can_stop and p.stop and delta:
-                self.check_stop_strings(seq, p, len(delta))
+            if group.stop_strings is not None and delta:
+                self.check_stop_strings(seq, group, delta, can_stop)
                 if seq.status.is_finished:
                     return
         if seq.grammar is not None and seq.grammar.is_complete:
@@ -91,51 +97,68 @@ class OutputProcessor:
                 seq.output_text += seq.detokenizer.flush()
 
     @staticmethod
-    def check_stop_strings(seq: Sequence, p: SamplingParams, new_chars: int) -> None:
-        """Look for a stop string in the text that the last `new_chars` characters could have
-        completed; on a match, cut the text there (keeping the stop string if asked) and finish."""
-        text = seq.output_text
-        longest = max(len(s) for s in p.stop)
-        region_start = max(0, len(text) - new_chars - longest + 1)
-        best = None
-        for stop in p.stop:
-            i = text.find(stop, region_start)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, stop)
-        if best is not None:
-            i, stop = best
-            seq.output_text = text[: i + len(stop)] if p.include_stop_str_in_output else text[:i]
-            seq.status = SequenceStatus.FINISHED_STOPPED
-            seq.stop_reason = stop
+    def check_stop_strings(seq: Sequence, group: SequenceGroup, delta: str, can_stop: bool) -> None:
+        """Advance the sequence's stop-string matcher over the `delta` just appended to its text;
+        on a match (once `can_stop`), cut the text there (keeping the stop string if asked) and
+        finish."""
+        hit = group.stop_strings.feed(seq.stop_state, delta, report=can_stop)
+        if hit is None:
+            return
+        end_in_delta, stop = hit
+        end = len(seq.output_text) - len(delta) + end_in_delta
+        keep = group.params.include_stop_str_in_output
+        seq.output_text = seq.output_text[: end if keep else end - len(stop)]
+        seq.status = SequenceStatus.FINISHED_STOPPED
+        seq.stop_reason = stop
 
     # ---------------------------------------------------------------- outputs
-    def output(self, group: SequenceGroup) -> RequestOutput:
-        """The request's cumulative output now. best_of > n and beam search return no choices
-        until they are finished (the best are not known before)."""
+    def output(self, group: SequenceGroup) -> RequestOutput | None:
+        """The request's output this step in its `OutputKind`; None when there is nothing to
+        report (FINAL_ONLY before the end, a DELTA with nothing new). best_of > n and beam
+        search return no choices until they are finished (the best are not known before)."""
+        kind = group.output_kind
+        if kind is OutputKind.FINAL_ONLY and not group.is_finished:
+            return None
         p = group.params
         if p.use_beam_search:
-            return self.request_output(group, beam_search_outputs(self.tokenizer, group))
-        seqs = group.seqs
-        if group.is_finished and p.best_of > p.n:
-            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: p.n]
-        elif p.best_of > p.n:
-            seqs = []  # best_of: nothing is returned until the best are known
-        outs = [
-            CompletionOutput(
-                index=i if p.best_of > p.n else s.index,
-                text=self.visible_text(s, p),
-                token_ids=list(s.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=list(s.output_logprobs) if p.logprobs is not None else None,
-                finish_reason=s.status.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for i, s in enumerate(seqs)
-        ]
-        return self.request_output(group, outs)
+            return self.request_output(group, beam_search_outputs(self.tokenizer, group), kind)
+        if p.best_of > p.n:
+            if not group.is_finished:
+                return None if kind is not OutputKind.CUMULATIVE else self.request_output(group, [], kind)
+            best = sorted(group.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: p.n]
+            want = p.logprobs is not None
+            return self.request_output(group, [self._choice(s, i, kind, want) for i, s in enumerate(best)], kind)
+        choices = [self._choice(s, s.index, kind, p.logprobs is not None) for s in group.seqs]
+        if kind is OutputKind.DELTA:
+            choices = [c for c in choices if c is not None]
+            if not choices and not group.is_finished:
+                return None
+        return self.request_output(group, choices, kind)
+
+    def _choice(self, seq: Sequence, index: int, kind: OutputKind, want_logprobs: bool) -> CompletionOutput | None:
+        """One choice: everything so far, or (DELTA) what is new since the last output of it
+        (None when nothing is: no text, no tokens, not newly finished)."""
+        logprobs = seq.output_logprobs if want_logprobs else None
+        end = len(seq.output_text) - self.held(seq)
+        if kind is not OutputKind.DELTA:
+            return CompletionOutput(index, seq.output_text[:end], list(seq.output_token_ids), seq.cumulative_logprob,
+                                    list(logprobs) if logprobs is not None else None,
+                                    seq.status.finish_reason, seq.stop_reason)
+        if seq.delta_sent_finished:
+            return None
+        sent_chars, sent_tokens = seq.delta_sent
+        finished = seq.status.is_finished
+        if end <= sent_chars and len(seq.output_token_ids) == sent_tokens and not finished:
+            return None
+        seq.delta_sent = (max(end, sent_chars), len(seq.output_token_ids))
+        seq.delta_sent_finished = finished
+        return CompletionOutput(index, seq.output_text[sent_chars:end], seq.output_token_ids[sent_tokens:],
+                                seq.cumulative_logprob, logprobs[sent_tokens:] if logprobs is not None else None,
+                                seq.status.finish_reason, seq.stop_reason)
 
     @staticmethod
-    def request_output(group: SequenceGroup, outs: list[CompletionOutput]) -> RequestOutput:
+    def request_output(group: SequenceGroup, outs: list[CompletionOutput],
+                       kind: OutputKind = OutputKind.CUMULATIVE) -> RequestOutput:
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -147,19 +170,18 @@ class OutputProcessor:
             metrics=group.metrics,
             error=group.error,
             invalid_request=group.invalid_request,
+            delta=kind is OutputKind.DELTA,
         )
 
     @staticmethod
-    def visible_text(seq: Sequence, p: SamplingParams) -> str:
-        """While running, hold back a tail that could still grow into a stop string, so a
+    def held(seq: Sequence) -> int:
+        """While running, the tail of the text that could still grow into a stop string: a
         streaming client never sees text that a stop string later removes."""
-        text = seq.output_text
-        if seq.status.is_finished or not p.stop:
-            return text
-        hold = 0
-        for stop in p.stop:
-            for k in range(min(len(stop) - 1, len(text)), hold, -1):
-                if text.endswith(stop[:k]):
-                    hold = k
-                    break
-        return text[: len(text) - hold]
+        if seq.status.is_finished or seq.stop_state is None:
+            return 0
+        return StopStrings.held(seq.stop_state)
+
+    @staticmethod
+    def visible_text(seq: Sequence) -> str:
+        """The sequence's text less the held tail (`held`)."""
+        return seq.output_text[: len(seq.output_text) - OutputProcessor.held(seq)]

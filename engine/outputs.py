@@ -1,12 +1,20 @@
 """What the engine hands back to its callers after each step: plain, picklable dataclasses.
 
-Text and token lists are cumulative (everything generated so far); the async layer turns them
-into deltas for streaming.
+What a `RequestOutput` holds depends on the request's `OutputKind`: everything so far
+(CUMULATIVE), only what is new since the request's previous output (DELTA: streaming), or one
+output when the request is done (FINAL_ONLY).
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"  # each step: each choice's text, tokens and logprobs so far
+    DELTA = "delta"  # each step with news: only the new text, tokens and logprob entries
+    FINAL_ONLY = "final"  # nothing until the request finishes, then everything
 
 
 @dataclass
@@ -24,11 +32,11 @@ SampleLogprobs = list[dict[int, Logprob]]
 @dataclass
 class CompletionOutput:
     index: int  # which of the request's n choices this is
-    text: str  # all text generated so far (stop string removed unless asked to keep it)
-    token_ids: list[int]  # all tokens generated so far
+    text: str  # the text generated so far (DELTA: since the last output); stop string removed unless kept
+    token_ids: list[int]  # the tokens generated so far (DELTA: the new ones)
     cumulative_logprob: float | None
-    logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # None while running; "stop", "length" or "abort"
+    logprobs: SampleLogprobs | None  # one entry per token of token_ids
+    finish_reason: str | None = None  # None while running; "stop" or "length" (an aborted request has none)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     @property
@@ -48,6 +56,8 @@ class RequestOutput:
     metrics: "RequestMetrics | None" = None
     error: str | None = None  # set when this request failed inside the engine (the server answers 500)
     invalid_request: bool = False  # ... because of the request itself, e.g. an unsatisfiable constraint (400)
+    delta: bool = False  # the choices hold only what is new (OutputKind.DELTA)
+
 
 
 @dataclass
