@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar, Union
 
 from engine.metrics import EngineStats
-from engine.outputs import RequestOutput
+from engine.outputs import OutputKind, RequestOutput
 from engine.request_stream import (
     EngineDeadError,
     EngineNotReadyError,
@@ -46,6 +46,7 @@ from engine.request_stream import (
     RequestStream,
 )
 from engine.sampling_params import SamplingParams
+from engine.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ PromptLike = Union[str, list[int], Callable[[Any], Union[str, list[int]]]]
 
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
 _IDLE_WAIT_S = 1.0  # the loop also wakes on every command; this only bounds a missed wake-up
+_EMPTY_STEP_WAIT_S = (0.001, 0.25)  # back-off after steps that ran nothing: first wait, longest wait
+_INTERNAL_ERROR = "Internal error while generating this request; the server log has the details."
 
 
 class EngineState(enum.Enum):
@@ -75,16 +78,20 @@ class AsyncEngine:
         on_ready: Callable[[Any], None] | None = None,
         on_stats: Callable[[EngineStats], None] | None = None,
         max_queued_requests: int | None = None,
+        stall_timeout: float | None = 120.0,
     ) -> None:
         """`engine_factory` builds the `LLMEngine` (on the engine thread, it may take seconds);
         `on_ready(engine)` runs on the engine thread once it is built (it may set `on_stats`);
-        `on_stats(stats)` runs on the engine thread after every step."""
+        `on_stats(stats)` runs on the engine thread after every step. `stall_timeout`: seconds
+        of pending work without a finished step after which the engine counts as stalled
+        (`check_stall`); None never."""
         self._factory = engine_factory
         self.on_ready = on_ready
         self.on_stats = on_stats
         self.max_queued_requests = max_queued_requests
         self.state = EngineState.LOADING
-        self.dead_reason: str | None = None
+        self.dead_reason: str | None = None  # what killed it, for the log (may hold exception text)
+        self.public_dead_reason: str | None = None  # what clients and /health are told
         self.engine: Any = None  # set once loaded; only the engine thread may call into it
         self.last_stats: EngineStats | None = None
         self.load_seconds: float | None = None
@@ -104,6 +111,8 @@ class AsyncEngine:
         # Engine-thread side.
         self._live: set[str] = set()
         self._stats_stale = False
+        # Fed by the engine thread, read on the event loop (/health, /metrics).
+        self.watchdog = StepWatchdog(stall_timeout, lambda: self._thread, lambda: self.state is EngineState.READY)
 
     # ----------------------------------------------------------------- lifecycle (event loop)
     def start(self) -> None:
@@ -112,6 +121,7 @@ class AsyncEngine:
         self._ready_future = self._loop.create_future()
         self._thread = threading.Thread(target=self._thread_main, name="engine-loop", daemon=True)
         self._thread.start()
+        self.watchdog.start(self._loop)
 
     async def wait_ready(self) -> None:
         """Return once loaded; raise `EngineDeadError` if loading failed."""
@@ -122,6 +132,7 @@ class AsyncEngine:
         """Stop the loop thread (requests still in flight are failed). Blocks up to `timeout`."""
         if self.state in (EngineState.LOADING, EngineState.READY):
             self.state = EngineState.STOPPED
+        self.watchdog.stop()
         self._stop.set()
         self._wakeup.set()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -164,14 +175,15 @@ class AsyncEngine:
     def _check_state(self) -> None:
         """Raise unless the engine is ready (loading, dead or stopped)."""
         if self.state is EngineState.DEAD:
-            raise EngineDeadError(self.dead_reason or "The engine is not running.")
+            raise EngineDeadError(self.public_dead_reason or "The engine is not running.")
         if self.state is EngineState.STOPPED:
             raise EngineDeadError("The engine has been shut down.")
         if self.state is EngineState.LOADING:
             raise EngineNotReadyError("The model is still loading; try again shortly.")
 
     async def add_request(self, request_id: str, prompt: PromptLike, params: SamplingParams, *,
-                          checked: bool = False) -> RequestStream:
+                          checked: bool = False, output_kind: OutputKind = OutputKind.CUMULATIVE,
+                          prompt_text: str | None = None, grammar: Any = None) -> RequestStream:
         """Add a request and return its output stream once the engine has accepted it.
 
         Raises the engine's `ValueError` for bad input (nothing is left behind), or the
@@ -191,7 +203,8 @@ class AsyncEngine:
 
         def add() -> None:
             resolved = prompt(self.engine) if callable(prompt) else prompt
-            self.engine.add_request(request_id, resolved, params, arrival_time=arrival)
+            self.engine.add_request(request_id, resolved, params, arrival_time=arrival, output_kind=output_kind,
+                                    prompt_text=prompt_text, grammar=grammar)
             self._live.add(request_id)
 
         try:
@@ -276,10 +289,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if future is not None and not future.done():
-                future.set_exception(EngineDeadError(self.dead_reason or "The engine is not running."))
+                future.set_exception(EngineDeadError(self.public_dead_reason or "The engine is not running."))
 
     # --------------------------------------------------------------------- dispatch (event loop)
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], started: list[str] = ()) -> None:
+        for request_id in started:
+            self._unstarted.discard(request_id)
         for output in outputs:
             self._unstarted.discard(output.request_id)
             stream = self._streams.get(output.request_id)
@@ -288,8 +303,8 @@ class AsyncEngine:
             error = getattr(output, "error", None)  # the engine failed this request alone
             if error is not None and output.invalid_request:
                 stream.put(RequestInvalidError(error))
-            elif error is not None:
-                stream.put(RequestFailedError(f"Internal error while generating: {error}"))
+            elif error is not None:  # NOTE: the engine logged the exception; clients get no internals
+                stream.put(RequestFailedError(_INTERNAL_ERROR))
                 if not output.finished:
                     self.abort(output.request_id)
             else:
@@ -331,7 +346,8 @@ class AsyncEngine:
             self.last_stats = getattr(self.engine, "last_stats", None)
         except BaseException as exc:  # noqa: BLE001 - reported, the server stays up to say so
             logger.exception("The engine failed to load")
-            self._die(f"The engine failed to load: {exc!r}")
+            self._die(f"The engine failed to load: {exc!r}",
+                      "The engine failed to load; the server log has the details.")
             self._to_loop(self._set_ready, EngineDeadError(self.dead_reason))
             return
         self.load_seconds = time.monotonic() - start
@@ -343,7 +359,7 @@ class AsyncEngine:
             self._loop_forever()
         except BaseException as exc:  # noqa: BLE001
             logger.exception("The engine loop died")
-            self._die(f"The engine loop died: {exc!r}")
+            self._die(f"The engine loop died: {exc!r}", "The engine loop died; the server log has the details.")
         finally:
             stop = getattr(self.engine, "shutdown", None)
             if stop is not None:
@@ -352,16 +368,17 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001 - already shutting down
                     logger.exception("engine shutdown failed")
 
-    def _die(self, reason: str) -> None:
-        self.dead_reason = reason
+    def _die(self, reason: str, public: str) -> None:
+        self.dead_reason, self.public_dead_reason = reason, public
         self.state = EngineState.DEAD
         self._fail_pending_commands()
-        self._to_loop(self._fail, None, EngineDeadError(reason))
+        self._to_loop(self._fail, None, EngineDeadError(public))
 
     def _loop_forever(self) -> None:
-        failures = 0
+        failures = empty_steps = 0
         while not self._stop.is_set():
             self._wakeup.clear()
+            self.watchdog.busy()
             self._run_commands()
             if self._stop.is_set():
                 break
@@ -371,6 +388,7 @@ class AsyncEngine:
                 check = getattr(self.engine, "check_health", None)
                 if check is not None:
                     check()  # a dead tensor-parallel worker ends the loop even while idle
+                self.watchdog.idle()
                 self._wakeup.wait(_IDLE_WAIT_S)
                 continue
             try:
@@ -384,6 +402,16 @@ class AsyncEngine:
                 continue
             failures = 0
             self._publish(outputs)
+            if getattr(self.engine, "last_step_empty", False):
+                # NOTE: work is pending but nothing could run (not expected: the scheduler always
+                # runs the oldest request). Back off instead of spinning; the watchdog sees no
+                # progress and /health says so.
+                empty_steps += 1
+                first, longest = _EMPTY_STEP_WAIT_S
+                self._wakeup.wait(min(first * 2 ** min(empty_steps, 16), longest))
+            else:
+                empty_steps = 0
+                self.watchdog.progress()
 
     def _run_commands(self) -> None:
         while True:
@@ -409,8 +437,10 @@ class AsyncEngine:
         for output in outputs:
             if output.finished:
                 self._live.discard(output.request_id)
-        if outputs:
-            self._to_loop(self._dispatch, outputs)
+        # NOTE: a request that outputs only when done (FINAL_ONLY) leaves the queue when first scheduled.
+        started = list(getattr(self.engine, "newly_scheduled", ()))
+        if outputs or started:
+            self._to_loop(self._dispatch, outputs, started)
         self._observe()
 
     def _observe(self) -> None:
@@ -439,4 +469,4 @@ class AsyncEngine:
                      exc_info=exc)
         for request_id in ids:
             self._engine_abort(request_id)
-        self._to_loop(self._fail, ids, RequestFailedError(f"Internal error while generating: {exc!r}"))
+        self._to_loop(self._fail, ids, RequestFailedError(_INTERNAL_ERROR))

@@ -31,6 +31,9 @@ class FallbackMetrics:
         self.total.set(stats.num_gpu_blocks)
         self.free.set(stats.num_free_gpu_blocks)
 
+    def observe_watchdog(self, seconds_without_progress: float, stalls_total: int) -> None:
+        """Not exported by the fallback."""
+
     def client_disconnected(self) -> None:
         self.disconnects.inc()
 

@@ -48,6 +48,7 @@ GAUGES = [
     "kv_internal_fragmentation",
     "kv_shared_blocks",
     "kv_blocks_saved_by_sharing",
+    "engine_seconds_without_progress",
 ]
 COUNTERS = [
     "num_preemptions",
@@ -59,6 +60,7 @@ COUNTERS = [
     "client_disconnects",
     "swap_in_bytes",
     "swap_out_bytes",
+    "engine_stalls",
 ]
 HISTOGRAMS = [
     "time_to_first_token_seconds",
@@ -141,6 +143,10 @@ class Metrics:
         self.kv_blocks_saved_by_sharing = gauge(
             "kv_blocks_saved_by_sharing",
             "Blocks that sharing saves: the sum over blocks of (reference count - 1).")
+        self.engine_seconds_without_progress = gauge(
+            "engine_seconds_without_progress",
+            "Seconds the engine has had work pending without finishing a step (0 when idle); "
+            "past --engine-stall-timeout it is stalled and /health answers 503.")
 
         # Counters.
         self._num_preemptions = Counter(
@@ -163,6 +169,8 @@ class Metrics:
             "client_disconnects", "Requests aborted because the client went away.")
         self.swap_in_bytes = counter("swap_in_bytes", "KV cache bytes copied from CPU to device.")
         self.swap_out_bytes = counter("swap_out_bytes", "KV cache bytes copied from device to CPU.")
+        self.engine_stalls = counter(
+            "engine_stalls", "Times the engine stalled (work pending, no step for --engine-stall-timeout).")
 
         # Histograms.
         self.time_to_first_token = histogram(
@@ -236,6 +244,12 @@ class Metrics:
                     self.request_queue_time.observe(request.queue_time)
                 self.request_prompt_tokens.observe(request.num_prompt_tokens)
                 self.request_generation_tokens.observe(request.num_generation_tokens)
+
+    def observe_watchdog(self, seconds_without_progress: float, stalls_total: int) -> None:
+        """Record the engine watchdog's state (called by the server before each scrape)."""
+        with self._lock:
+            self.engine_seconds_without_progress.set(seconds_without_progress)
+            self._advance("engine_stalls", stalls_total, self.engine_stalls)
 
     def client_disconnected(self) -> None:
         """Count one request aborted because its client disconnected (called by the server)."""

@@ -28,6 +28,8 @@ ROWS = [
          "reqps", "finished_reason"),
         ("Preemptions / s by mode", "counter", "paged_serve:num_preemptions_total", "short", "mode"),
         ("Client disconnects / s", "counter", "paged_serve:client_disconnects_total", "short", None),
+        ("Engine: seconds without progress", "gauge", "paged_serve:engine_seconds_without_progress", "s", None),
+        ("Engine stalls / s", "counter", "paged_serve:engine_stalls_total", "short", None),
     ]),
     ("KV cache", [
         ("Device KV usage", "gauge", "paged_serve:kv_cache_usage_perc", "percentunit", None),

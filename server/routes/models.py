@@ -16,17 +16,21 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 when ready; 503 while loading, draining, or after the engine died (never touches
-    the engine, so it answers at once however busy the engine is)."""
+    """200 when ready; 503 while loading, draining, after the engine died, or while it is
+    stalled (work pending and no step finished for --engine-stall-timeout seconds). Never
+    touches the engine, so it answers at once however busy the engine is."""
     ctx = get_ctx(request)
     engine = ctx.engine
     if ctx.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     if not engine.is_ready:
         body = {"status": engine.state.value}
-        if engine.dead_reason:
-            body["reason"] = engine.dead_reason
+        if engine.public_dead_reason:
+            body["reason"] = engine.public_dead_reason
         return JSONResponse(body, status_code=503)
+    stalled = engine.watchdog.check()
+    if stalled is not None:
+        return JSONResponse({"status": "stalled", "reason": stalled}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 

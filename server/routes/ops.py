@@ -23,6 +23,8 @@ async def metrics(request: Request) -> Response:
     ctx = get_ctx(request)
     if ctx.metrics is None:
         raise OpenAIError(503, "Metrics are available once the model has loaded.", code="model_loading")
+    watchdog = ctx.engine.watchdog
+    ctx.metrics.observe_watchdog(watchdog.seconds_without_progress(), watchdog.num_stalls)
     body, content_type = ctx.metrics.render()
     return Response(content=body, media_type=content_type)
 

@@ -11,6 +11,10 @@ contains a marker (chat prompts too: the markers survive the chat template) trig
   too): the loop dies and the server must say so (/health 503, new requests 503).
 - "FAULT:SLOW": every step sleeps `SLOW_STEP_S` more while it is in the engine (drain and queue
   tests need requests that stay in flight for a while).
+- "FAULT:HANG": the first step it is in sleeps `HANG_S` (a forward pass that hangs for a while):
+  the watchdog must see the stall, then the recovery.
+- "FAULT:STUCK": while it is in the engine, steps run nothing (as a scheduler that can schedule
+  nothing would): the loop must not spin, and the watchdog must see the stall.
 Token-id prompts carry no text and so never trigger a fault.
 """
 
@@ -25,7 +29,10 @@ FAIL = "FAULT:FAIL"
 ERROR = "FAULT:ERROR"
 KILL = "FAULT:KILL"
 SLOW = "FAULT:SLOW"
+HANG = "FAULT:HANG"
+STUCK = "FAULT:STUCK"
 SLOW_STEP_S = 0.1
+HANG_S = 3.0
 
 
 class RequestFault(RuntimeError):
@@ -38,6 +45,7 @@ class RequestFault(RuntimeError):
 
 class FaultyEngine(LLMEngine):
     killed = False  # set by a FAULT:KILL request; the engine never works again
+    num_steps = 0  # step() calls, stuck ones included
 
     def _marked(self, marker: str) -> list:
         return [g for g in self.requests.values() if g.prompt and marker in g.prompt]
@@ -56,6 +64,14 @@ class FaultyEngine(LLMEngine):
                 raise RequestFault(group.request_id)
         if self._marked(SLOW):
             time.sleep(SLOW_STEP_S)
+        self.num_steps += 1
+        if self._marked(STUCK):
+            self.last_step_empty, self.newly_scheduled = True, []
+            return []
+        for group in self._marked(HANG):
+            if not getattr(group, "hung", False):
+                group.hung = True
+                time.sleep(HANG_S)
         return super().step()
 
     def _append(self, seq, group, sample) -> None:

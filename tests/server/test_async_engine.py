@@ -96,9 +96,11 @@ def test_failing_request_is_isolated(engine_factory):
         await engine.wait_ready()
         good = await engine.add_request("good", "Count: one, two,", SamplingParams(max_tokens=6, ignore_eos=True))
         bad = await engine.add_request("bad", f"{FAIL} here", SamplingParams(max_tokens=6))
-        with pytest.raises(RequestFailedError, match="injected failure in request bad"):
+        # NOTE: the exception's text goes to the log, not to the caller
+        with pytest.raises(RequestFailedError, match="Internal error while generating") as failure:
             async for _ in bad:
                 pass
+        assert "injected" not in str(failure.value)
         outs = [o async for o in good]
         return outs[-1].outputs[0].finish_reason, len(outs[-1].outputs[0].token_ids), engine.state
 
