@@ -44,8 +44,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-async def one_stream(client: httpx.AsyncClient, i: int, max_tokens: int) -> int:
-    body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "stream": True,
+def served_model(url: str) -> str:
+    return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+async def one_stream(client: httpx.AsyncClient, model: str, i: int, max_tokens: int) -> int:
+    body = {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 0.8, "seed": i,
             "stream_options": {"include_usage": True}}
     tokens = 0
@@ -72,7 +76,7 @@ def poll_health(url: str, stop, interval: float, conn) -> None:
     conn.send(out)
 
 
-async def health_under_load(url: str, streams: int, max_tokens: int, interval: float) -> dict:
+async def health_under_load(url: str, model: str, streams: int, max_tokens: int, interval: float) -> dict:
     stop = multiprocessing.Event()
     receiver, sender = multiprocessing.Pipe(duplex=False)
     poller = multiprocessing.Process(target=poll_health, args=(url, stop, interval, sender), daemon=True)
@@ -80,7 +84,7 @@ async def health_under_load(url: str, streams: int, max_tokens: int, interval: f
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         poller.start()
         t0 = time.perf_counter()
-        tokens = await asyncio.gather(*[one_stream(client, i, max_tokens) for i in range(streams)])
+        tokens = await asyncio.gather(*[one_stream(client, model, i, max_tokens) for i in range(streams)])
         wall = time.perf_counter() - t0
     stop.set()
     latencies = receiver.recv()
@@ -90,7 +94,7 @@ async def health_under_load(url: str, streams: int, max_tokens: int, interval: f
             "output_tokens": sum(tokens), "wall_s": wall}
 
 
-async def throughput(url: str, concurrency: int, max_tokens: int, duration: float) -> dict:
+async def throughput(url: str, model: str, concurrency: int, max_tokens: int, duration: float) -> dict:
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         deadline = time.perf_counter() + duration
@@ -99,7 +103,7 @@ async def throughput(url: str, concurrency: int, max_tokens: int, duration: floa
         async def worker(w: int) -> int:
             total, i = 0, w
             while time.perf_counter() < deadline:
-                total += await one_stream(client, i, max_tokens)
+                total += await one_stream(client, model, i, max_tokens)
                 counts[w] += 1
                 i += concurrency
             return total
@@ -125,13 +129,14 @@ def main() -> None:
     args = p.parse_args(argv)
 
     with server_for(args.url, args.start, server_flags) as (url, _):
-        health = asyncio.run(health_under_load(url, args.streams, args.max_tokens, args.health_interval))
+        model = served_model(url)
+        health = asyncio.run(health_under_load(url, model, args.streams, args.max_tokens, args.health_interval))
         print(f"GET /health while {health['streams']} streams run: p50 {health['p50_ms']:.1f} ms, "
               f"p99 {health['p99_ms']:.1f} ms, max {health['max_ms']:.1f} ms ({health['samples']} samples; "
               f"{health['output_tokens']} tokens in {health['wall_s']:.1f} s)", flush=True)
         levels = []
         for c in args.concurrency:
-            r = asyncio.run(throughput(url, c, args.max_tokens, args.duration))
+            r = asyncio.run(throughput(url, model, c, args.max_tokens, args.duration))
             levels.append(r)
             print(f"concurrency {c:3d}: {r['output_tokens_per_s']:8.1f} output tokens/s "
                   f"({r['requests']} requests, {r['output_tokens']} tokens, {r['wall_s']:.1f} s)", flush=True)

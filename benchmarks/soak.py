@@ -91,14 +91,14 @@ class Report:
         return d
 
 
-def make_specs(count: int, max_tokens: int, seed: int) -> list[Spec]:
+def make_specs(count: int, max_tokens: int, seed: int, model: str) -> list[Spec]:
     rng = random.Random(seed)
     specs = []
     for i in range(count):
         kind = rng.choices(KINDS, WEIGHTS)[0]
         prompt = rng.choice(PROMPTS)
         tokens = rng.randint(1, max_tokens)
-        sampling = {"max_tokens": tokens, "temperature": rng.choice([0, 0.7, 1.0]), "seed": i,
+        sampling = {"model": model, "max_tokens": tokens, "temperature": rng.choice([0, 0.7, 1.0]), "seed": i,
                     "ignore_eos": rng.random() < 0.5}
         messages = [{"role": "user", "content": prompt}]
         if kind == "completion":
@@ -295,15 +295,16 @@ def run_soak(url: str, pid: int | None, *, requests: int = 500, clients: int = 6
              pool_wait_s: float = 60.0) -> Report:
     """Run the soak against a server at `url` (process `pid`, for the memory check)."""
     report = Report(requests=requests, clients=clients, rss_bound_mib=rss_bound_mib)
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     # Warm-up: one request of every kind per client slot (allocator pools, compiled paths), so
     # that the memory baseline is a warm server's.
-    warm = make_specs(min(clients, 16) * 2, max_tokens, seed + 10**6)
+    warm = make_specs(min(clients, 16) * 2, max_tokens, seed + 10**6, model)
     asyncio.run(run_clients(url, warm, min(clients, 16), Report(), timeout))
     _wait_pool_free(url, pool_wait_s)
     if pid is not None:
         report.rss_warm_mib = report.rss_peak_mib = rss_mib(pid)
 
-    asyncio.run(soak_async(url, pid, make_specs(requests, max_tokens, seed), clients, report, timeout))
+    asyncio.run(soak_async(url, pid, make_specs(requests, max_tokens, seed, model), clients, report, timeout))
 
     t0 = time.monotonic()
     if _wait_pool_free(url, pool_wait_s):
@@ -311,7 +312,7 @@ def run_soak(url: str, pid: int | None, *, requests: int = 500, clients: int = 6
     else:
         report.failures.append({"check": "pool", "problem": httpx.get(url + "/kv/blocks").json()})
     health = httpx.get(url + "/health", timeout=30)
-    again = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=120)
+    again = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 2}, timeout=120)
     report.healthy_after = health.status_code == 200 and again.status_code == 200
     if not report.healthy_after:
         report.failures.append({"check": "health", "problem": f"{health.status_code} {health.text[:200]}, "

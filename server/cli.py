@@ -25,6 +25,11 @@ ENGINE_FLAGS = (
 )
 
 
+# Limit flags given as sizes ('64KiB'); dest name == ServerSettings field name.
+SIZE_FLAGS = ("max_request_body_bytes", "max_tool_schema_bytes", "max_total_tool_schema_bytes",
+              "max_structured_output_bytes")
+
+
 @dataclass(frozen=True)
 class CliConfig:
     engine_args: EngineArgs
@@ -63,11 +68,34 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-n", type=int, default=16, help="most choices (n) per request")
     lim.add_argument("--max-best-of", type=int, default=16)
     lim.add_argument("--max-prompts-per-request", type=int, default=64)
+    lim.add_argument("--max-prompt-tokens-per-request", type=_positive, default=262144,
+                     help="most prompt tokens over all prompts of one /v1/completions request")
     lim.add_argument("--max-stop-sequences", type=int, default=16)
+    lim.add_argument("--max-stop-str-len", type=_positive, default=256, help="most characters of one stop string")
+    lim.add_argument("--max-stop-token-ids", type=_positive, default=256, help="most stop_token_ids per request")
+    lim.add_argument("--max-logit-bias", type=_positive, default=1024, help="most logit_bias entries per request")
+    lim.add_argument("--max-messages", type=_positive, default=2048, help="most messages per chat request")
+    lim.add_argument("--max-messages-chars", type=_positive, default=1_000_000,
+                     help="most characters of message content over all messages of one chat request")
+    lim.add_argument("--max-tools", type=_positive, default=128, help="most tools per chat request")
+    lim.add_argument("--max-tool-schema-bytes", default="64KiB",
+                     help="largest tool: its function definition (name, description, parameters) as JSON")
+    lim.add_argument("--max-total-tool-schema-bytes", default="1MiB",
+                     help="largest sum of the tools' function definitions (as JSON) of one request")
+    lim.add_argument("--max-guided-choices", type=_positive, default=1024,
+                     help="most choices of one guided_choice / structured_outputs choice constraint")
+    lim.add_argument("--max-structured-output-bytes", default="64KiB",
+                     help="largest structured-output constraint: its JSON schema (as JSON), regex, grammar or choices")
+    lim.add_argument("--max-json-depth", type=_positive, default=64,
+                     help="deepest nesting of arrays and objects in a request body and in a tool's parameters")
     lim.add_argument("--max-tokens-limit", type=int, default=None, help="cap on max_tokens (default: the context)")
-    lim.add_argument("--max-request-body-bytes", default="4MiB", help="largest request body, e.g. 4MiB")
+    lim.add_argument("--max-request-body-bytes", default="4MiB",
+                     help="largest request body, e.g. 4MiB (a larger one is answered 413)")
     lim.add_argument("--max-queued-requests", type=int, default=None,
                      help="answer 429 (Retry-After) once this many requests wait (default: unbounded)")
+    lim.add_argument("--engine-stall-timeout", type=float, default=120.0,
+                     help="seconds: when the engine has pending work but no step has finished for this long, "
+                          "/health answers 503")
 
     eng = p.add_argument_group("engine")
     eng.add_argument("--model", dest="model", default=None, help="same as the positional MODEL")
@@ -111,6 +139,25 @@ def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
     return values
 
 
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def _size(args: argparse.Namespace, name: str, parser: argparse.ArgumentParser) -> int:
+    """A size flag's value in bytes ('4MiB', '65536'); a parser error if it is not one."""
+    flag = "--" + name.replace("_", "-")
+    try:
+        size = parse_size(getattr(args, name))
+    except ValueError as exc:
+        parser.error(f"{flag}: {exc}")
+    if size < 1:
+        parser.error(f"{flag}: must be at least 1 byte")
+    return size
+
+
 def _origins(value) -> tuple[str, ...]:
     if not value:
         return ()
@@ -142,10 +189,7 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
     if args.model_tag is not None:
         args.model = args.model_tag
     engine_kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS}
-    try:
-        body_limit = parse_size(args.max_request_body_bytes)
-    except ValueError as exc:
-        parser.error(f"--max-request-body-bytes: {exc}")
+    sizes = {name: _size(args, name, parser) for name in SIZE_FLAGS}
     settings = ServerSettings(
         host=args.host,
         port=args.port,
@@ -157,10 +201,20 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
         max_n=args.max_n,
         max_best_of=args.max_best_of,
         max_prompts_per_request=args.max_prompts_per_request,
+        max_prompt_tokens_per_request=args.max_prompt_tokens_per_request,
         max_stop_sequences=args.max_stop_sequences,
+        max_stop_str_len=args.max_stop_str_len,
+        max_stop_token_ids=args.max_stop_token_ids,
+        max_logit_bias=args.max_logit_bias,
+        max_messages=args.max_messages,
+        max_messages_chars=args.max_messages_chars,
+        max_tools=args.max_tools,
+        max_guided_choices=args.max_guided_choices,
+        max_json_depth=args.max_json_depth,
         max_tokens_limit=args.max_tokens_limit,
-        max_request_body_bytes=body_limit,
         max_queued_requests=args.max_queued_requests,
+        engine_stall_timeout=args.engine_stall_timeout,
+        **sizes,
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
         access_log=not args.disable_uvicorn_access_log,

@@ -21,7 +21,8 @@ class ServerContext:
     model_name: str | None = None
     max_model_len: int | None = None
     vocab_size: int | None = None
-    tokenizer: Any = None  # NOTE: read-only use off the engine thread (decode of single tokens)
+    tokenizer: Any = None  # the engine's; the routes use `inputs`, which holds its own copy
+    inputs: Any = None  # server.input_processor.InputProcessor, once the model has loaded
     metrics: Any = None  # server.observability.Metrics, or the fallback
     created: int = 0  # unix time the model finished loading (for /v1/models)
     draining: bool = False  # SIGTERM received: new requests get 503
@@ -31,7 +32,8 @@ class ServerContext:
         """The served name; 404 for any other model name (None means the served one)."""
         name = self.model_name or ""
         if model is not None and model != name:
-            raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+            shown = model if len(model) <= 256 else f"{model[:256]}..."
+            raise OpenAIError(404, f"The model `{shown}` does not exist.", param="model", code="model_not_found")
         return name
 
     def client_disconnected(self) -> None:

@@ -11,7 +11,7 @@ from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import (
@@ -44,8 +44,11 @@ class OpenAIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        # NOTE: ASCII JSON (not JSONResponse's UTF-8): a message that quotes the client's text
+        # stays encodable whatever that text holds (a lone surrogate cannot be UTF-8).
+        return Response(json.dumps(self.body(), separators=(",", ":")), status_code=self.status,
+                        headers=self.headers, media_type="application/json")
 
 
 def _default_type(status: int) -> str:
@@ -88,7 +91,10 @@ def from_value_error(exc: ValueError, prompt_param: str = "prompt") -> OpenAIErr
 
 
 def from_engine_error(exc: BaseException, *, in_flight: bool = False) -> OpenAIError:
-    """Map the async engine's errors: before a request starts (503/429) or while it runs (500)."""
+    """Map the async engine's errors: before a request starts (503/429) or while it runs (500).
+
+    NOTE: what went wrong inside (exception text, type names) goes to the log, never to the
+    client: a 500 or a dead engine's 503 says only where to look."""
     if isinstance(exc, QueueFullError):
         return OpenAIError(429, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineNotReadyError):
@@ -96,15 +102,17 @@ def from_engine_error(exc: BaseException, *, in_flight: bool = False) -> OpenAIE
     if isinstance(exc, RequestCancelledError):
         return OpenAIError(503, str(exc), code="server_shutting_down")
     if isinstance(exc, EngineDeadError):
+        # The engine logged why it stopped when it did.
         if in_flight:
-            return OpenAIError(500, f"The engine stopped while generating: {exc}", code="engine_dead")
-        return OpenAIError(503, str(exc), code="engine_dead")
+            return OpenAIError(500, "The engine stopped while generating; see the server log.", code="engine_dead")
+        return OpenAIError(503, "The engine is not running; see the server log.", code="engine_dead")
     if isinstance(exc, RequestInvalidError):
         return bad_request(str(exc))
     if isinstance(exc, RequestFailedError):
-        return OpenAIError(500, str(exc), code="internal_error")
+        logger.error("a request failed inside the engine: %s", exc)
+        return OpenAIError(500, "Internal error while generating; see the server log.", code="internal_error")
     logger.error("internal error while handling a request", exc_info=exc)
-    return OpenAIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error")
+    return OpenAIError(500, "Internal server error; see the server log.", code="internal_error")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -123,23 +131,23 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"Missing required parameter: '{param}'.", param
     if first.get("type") == "model_attributes_type" and not loc:
         return "The request body must be a JSON object.", None
-    msg = first.get("msg", "Invalid value")
+    msg = first.get("msg", "Invalid value").removeprefix("Value error, ")
     more = f" ({len(errors) - 1} more error(s))" if len(errors) > 1 else ""
     return (f"Invalid value for '{param}': {msg}{more}." if param else f"{msg}{more}."), param
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+    async def _openai_error(_: Request, exc: OpenAIError) -> Response:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
         message, param = _validation_message(exc)
         return bad_request(message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
         try:
             phrase = HTTPStatus(exc.status_code).phrase
         except ValueError:
@@ -154,9 +162,9 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(engine_error, _engine_error)
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal_error(_: Request, exc: Exception) -> Response:
         return from_engine_error(exc).response()
 
 
-async def _engine_error(_: Request, exc: Exception) -> JSONResponse:
+async def _engine_error(_: Request, exc: Exception) -> Response:
     return from_engine_error(exc).response()

@@ -8,11 +8,14 @@ Responses follow OpenAI's shapes field for field.
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
-from typing import Any, Literal, Union
+from itertools import chain, count
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 def random_id(prefix: str) -> str:
@@ -23,9 +26,60 @@ def now() -> int:
     return int(time.time())
 
 
+# --------------------------------------------------------------------------- JSON values
+class JsonValueError(ValueError):
+    """A parsed JSON value that is not one we take (see `check_json_value`)."""
+
+
+class JsonTooDeep(JsonValueError):
+    pass
+
+
+def check_json_value(value: Any, max_depth: int) -> None:
+    """Raise JsonTooDeep if `value` nests arrays and objects more than `max_depth` levels (a
+    scalar is 0 levels, `[]` 1), JsonValueError for what Python's json lets through but JSON is
+    not: a non-finite number (what 1e400 parses to), a string or key with a lone UTF-16 surrogate
+    (\\ud800). Iterative (no recursion limit to hit) and linear in the size of `value`.
+
+    NOTE: one level at a time, each with a few passes that run in C (map, join, chain), rather
+    than a walk that visits each value in Python: a 4 MiB body holds a million values."""
+    level = [value]
+    for depth in count():
+        kinds = set(map(type, level))
+        if str in kinds:
+            _check_string("".join([v for v in level if type(v) is str]))
+        if float in kinds and not all(map(math.isfinite, [v for v in level if type(v) is float])):
+            raise JsonValueError("numbers must be finite and within the range of a double")
+        dicts = [v for v in level if type(v) is dict] if dict in kinds else []
+        lists = [v for v in level if type(v) is list] if list in kinds else []
+        if not (dicts or lists):
+            return
+        if depth >= max_depth:
+            raise JsonTooDeep(f"arrays and objects nest more than {max_depth} levels deep")
+        _check_string("".join(chain.from_iterable(dicts)))  # the keys
+        level = list(chain(chain.from_iterable(map(dict.values, dicts)), chain.from_iterable(lists)))
+
+
+def _check_string(text: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise JsonValueError("a string holds a lone UTF-16 surrogate (such as \\ud800)") from None
+
+
 class _Request(BaseModel):
     # NOTE: Python's json accepts NaN and Infinity; a NaN temperature would poison a whole batch.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+# NOTE: every list and dict of a request stops validating at its first bad item: otherwise a
+# 4 MiB body of bad items makes a million validation errors (seconds of the event loop) for an
+# answer that shows one.
+_FAIL_FAST = Field(fail_fast=True)
+Strs = Annotated[list[str], _FAIL_FAST]
+Ints = Annotated[list[int], _FAIL_FAST]
 
 
 class StreamOptions(_Request):
@@ -35,15 +89,15 @@ class StreamOptions(_Request):
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
+    model: str  # required, as OpenAI has it (/tokenize and /detokenize keep it optional)
     n: int | None = 1
     temperature: float | None = None
     top_p: float | None = None
-    stop: Union[str, list[str], None] = None
+    stop: Union[str, Strs, None] = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], _FAIL_FAST] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -54,7 +108,7 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Ints | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -67,11 +121,11 @@ class _SamplingFields(_Request):
     structured_outputs: dict[str, Any] | None = None
     guided_json: Union[dict[str, Any], str, None] = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Strs | None = None
     guided_grammar: str | None = None
 
 
-PromptInput = Union[str, list[str], list[int], list[list[int]]]
+PromptInput = Union[str, Strs, Ints, Annotated[list[Ints], _FAIL_FAST]]
 
 
 class CompletionRequest(_SamplingFields):
@@ -89,10 +143,30 @@ class TextPart(_Request):
     text: str | None = None
 
 
+# The deepest nesting of a past tool call's arguments given as a JSON string (the default
+# --max-json-depth; the body check does not look inside strings).
+MAX_ARGUMENTS_DEPTH = 64
+
+
 class FunctionCall(_Request):
     name: str
     # NOTE: OpenAI sends a JSON string; an object is accepted too (some clients send one).
     arguments: Union[str, dict[str, Any]] = "{}"
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_nest_within_bounds(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        """The chat template gets the arguments string parsed where it parses: it must not nest so
+        deep that parsing (or rendering) hits the recursion limit. Text that is not JSON stays text."""
+        if isinstance(value, str) and value.lstrip().startswith(("{", "[")):
+            try:
+                check_json_value(json.loads(value), MAX_ARGUMENTS_DEPTH)
+            except (RecursionError, JsonTooDeep):
+                raise ValueError(f"the arguments nest arrays and objects more than {MAX_ARGUMENTS_DEPTH} "
+                                 "levels deep") from None
+            except ValueError:  # not JSON (JsonValueError: NaN or 1e400, which the template may take)
+                pass
+        return value
 
 
 class ToolCall(_Request):
@@ -105,9 +179,9 @@ class ToolCall(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, Annotated[list[TextPart], _FAIL_FAST], None] = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_calls: Annotated[list[ToolCall], _FAIL_FAST] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this result answers
 
 
@@ -133,13 +207,13 @@ class NamedToolChoice(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     # Tool calling (server/tools.py). tool_choice defaults to "auto" when tools are given.
-    tools: list[ChatTool] | None = None
+    tools: Annotated[list[ChatTool], _FAIL_FAST] | None = None
     # NOTE: "none" | "auto" | "required" | NamedToolChoice, checked in server/tools.py so that
     # a bad value is a 400 with param "tool_choice" (not a path through the union's members).
     tool_choice: Union[str, dict[str, Any], None] = None
@@ -149,14 +223,14 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], _FAIL_FAST] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: Ints
 
 
 # ----------------------------------------------------------------------------------- responses

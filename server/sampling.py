@@ -37,24 +37,9 @@ def _common_checks(req: _SamplingFields, settings: ServerSettings, vocab_size: i
     top_k = req.top_k
     if top_k is not None and vocab_size is not None and top_k >= vocab_size:
         top_k = -1  # the whole vocabulary: no top-k restriction
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > settings.max_stop_sequences:
-        raise bad_request(f"stop may hold at most {settings.max_stop_sequences} sequences, got {len(stop)}.",
-                          param="stop")
-    logit_bias: dict[int, float] = {}
-    for key, value in (req.logit_bias or {}).items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias") from None
-        if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-            raise bad_request(f"logit_bias token id {token_id} is out of the vocabulary (size {vocab_size}).",
-                              param="logit_bias")
-        logit_bias[token_id] = value
-    for token_id in req.stop_token_ids or []:
-        if vocab_size is not None and not 0 <= token_id < vocab_size:
-            raise bad_request(f"stop_token_ids: token id {token_id} is out of the vocabulary (size {vocab_size}).",
-                              param="stop_token_ids")
+    stop = _stop_strings(req, settings)
+    logit_bias = _logit_bias(req, settings, vocab_size)
+    stop_token_ids = _stop_token_ids(req, settings, vocab_size)
     kwargs = dict(
         n=n,
         best_of=req.best_of,
@@ -63,12 +48,12 @@ def _common_checks(req: _SamplingFields, settings: ServerSettings, vocab_size: i
         logit_bias=logit_bias,
         min_tokens=req.min_tokens,
         ignore_eos=req.ignore_eos,
-        stop_token_ids=list(req.stop_token_ids or []),
+        stop_token_ids=stop_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
     )
-    guided = guided_decoding(req)
+    guided = guided_decoding(req, settings)
     if guided is not None:
         if req.use_beam_search:
             raise bad_request("use_beam_search cannot be combined with structured outputs.", param="use_beam_search")
@@ -85,6 +70,77 @@ def _common_checks(req: _SamplingFields, settings: ServerSettings, vocab_size: i
                     repetition_penalty=req.repetition_penalty)
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return kwargs
+
+
+def _stop_strings(req: _SamplingFields, settings: ServerSettings) -> list[str]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > settings.max_stop_sequences:
+        raise bad_request(f"stop may hold at most {settings.max_stop_sequences} sequences, got {len(stop)}.",
+                          param="stop")
+    longest = max(map(len, stop), default=0)
+    if longest > settings.max_stop_str_len:
+        raise bad_request(f"each stop sequence may be at most {settings.max_stop_str_len} characters long, "
+                          f"got one of {longest}.", param="stop")
+    return stop
+
+
+def _logit_bias(req: _SamplingFields, settings: ServerSettings, vocab_size: int | None) -> dict[int, float]:
+    """logit_bias with token-id keys: each key a decimal token id in the vocabulary."""
+    given = req.logit_bias or {}
+    if len(given) > settings.max_logit_bias:
+        raise bad_request(f"logit_bias may hold at most {settings.max_logit_bias} entries, got {len(given)}.",
+                          param="logit_bias")
+    logit_bias: dict[int, float] = {}
+    for key, value in given.items():
+        # NOTE: int() would also take " 5", "1_0" and non-ASCII digits; a key is a token id in digits.
+        if not (key.isascii() and key.isdigit()):
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}.", param="logit_bias")
+        # NOTE: the length test first: int() of a long key costs time quadratic in its digits.
+        token_id = int(key) if len(key) <= 20 else None
+        if token_id is None or (vocab_size is not None and token_id >= vocab_size):
+            raise bad_request(f"logit_bias token id {_short(key)} is out of the vocabulary (size {vocab_size}).",
+                              param="logit_bias")
+        logit_bias[token_id] = value
+    return logit_bias
+
+
+def _stop_token_ids(req: _SamplingFields, settings: ServerSettings, vocab_size: int | None) -> list[int]:
+    """The request's stop_token_ids, each in the vocabulary, without repeats (first order kept)."""
+    given = req.stop_token_ids or []
+    if len(given) > settings.max_stop_token_ids:
+        raise bad_request(f"stop_token_ids may hold at most {settings.max_stop_token_ids} token ids, "
+                          f"got {len(given)}.", param="stop_token_ids")
+    for token_id in given:
+        if vocab_size is not None and not 0 <= token_id < vocab_size:
+            raise bad_request(f"stop_token_ids: token id {_short(token_id)} is out of the vocabulary "
+                              f"(size {vocab_size}).", param="stop_token_ids")
+    return list(dict.fromkeys(given))
+
+
+def _short(number: int | str) -> str:
+    """A number for a message, shortened when it is very long."""
+    text = str(number)
+    return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
+
+
+def _check_messages(req: ChatCompletionRequest, settings: ServerSettings) -> None:
+    """How many messages, and how much text in them (content, text parts, tool-call arguments)."""
+    if len(req.messages) > settings.max_messages:
+        raise bad_request(f"messages may hold at most {settings.max_messages} messages, got {len(req.messages)}.",
+                          param="messages")
+    chars = 0
+    for message in req.messages:
+        content = message.content
+        if isinstance(content, str):
+            chars += len(content)
+        elif content is not None:
+            chars += sum(len(part.text or "") for part in content)
+        for call in message.tool_calls or []:
+            arguments = call.function.arguments
+            chars += len(arguments) if isinstance(arguments, str) else 0
+    if chars > settings.max_messages_chars:
+        raise bad_request(f"messages may hold at most {settings.max_messages_chars} characters of content, "
+                          f"got {chars}.", param="messages")
 
 
 def _check_max_tokens(max_tokens: int | None, settings: ServerSettings, param: str) -> None:
@@ -153,6 +209,7 @@ def chat_params(req: ChatCompletionRequest, settings: ServerSettings, vocab_size
                 tools: ToolPlan | None = None) -> SamplingParams:
     """`tools`: the request's checked tool plan (server/tools.py), whose constraint, if any,
     becomes the guided decoding."""
+    _check_messages(req, settings)
     kwargs = _common_checks(req, settings, vocab_size)
     if tools is not None and tools.mode != "none" and tools.functions:
         if "guided_decoding" in kwargs:

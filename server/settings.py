@@ -18,10 +18,24 @@ class ServerSettings:
     max_n: int = 16
     max_best_of: int = 16
     max_prompts_per_request: int = 64
+    max_prompt_tokens_per_request: int = 262144  # prompt tokens over all prompts of one completions request
     max_stop_sequences: int = 16
+    max_stop_str_len: int = 256  # characters of one stop string
+    max_stop_token_ids: int = 256
+    max_logit_bias: int = 1024  # entries of logit_bias
+    max_messages: int = 2048  # messages of one chat request
+    max_messages_chars: int = 1_000_000  # characters of message content over all messages of one chat request
+    max_tools: int = 128
+    max_tool_schema_bytes: int = 64 * 1024  # one tool's function definition, serialised as JSON
+    max_total_tool_schema_bytes: int = 1024 * 1024  # all tools of one request together
+    max_guided_choices: int = 1024  # choices of guided_choice / structured_outputs.choice
+    max_structured_output_bytes: int = 64 * 1024  # one constraint: schema JSON, regex, grammar or choices
+    max_json_depth: int = 64  # nesting of arrays and objects in a request body (and in a tool's schema)
     max_tokens_limit: int | None = None  # None: only the context bounds max_tokens
     max_request_body_bytes: int = 4 * 1024 * 1024
     max_queued_requests: int | None = None  # None: unbounded waiting queue
+    # Health: pending work but no engine step finished for this long (seconds) -> /health answers 503.
+    engine_stall_timeout: float = 120.0
     # Shutdown.
     shutdown_timeout: float = 30.0  # seconds a SIGTERM drain waits for requests in flight
     log_level: str = "info"

@@ -10,10 +10,10 @@ answer. What `tool_choice` does with it:
 - a named function: constrained to that tool only; finish_reason "stop" (as OpenAI answers).
 One call per choice (`parallel_tool_calls` is accepted, not acted on).
 
-The prompt: a chat template that renders `tools` itself gets the tools and the history as
-they are; for one that does not (SmolLM2's), `text_messages` puts a system-prompt block that
-describes the tools and the answer format first, and turns past calls and their results into
-plain text turns.
+The prompt (server/input_processor.py renders it): a chat template that renders `tools` itself
+gets the tools and the history as they are; for one that does not (SmolLM2's), `text_messages`
+puts a system-prompt block that describes the tools and the answer format first, and turns past
+calls and their results into plain text turns.
 """
 
 from __future__ import annotations
@@ -21,16 +21,20 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
 from engine.structured_output import GuidedDecoding, validate
-from engine.tokenizer import apply_chat_template, template_supports_tools
 from server.errors import bad_request
-from server.protocol import NamedToolChoice
+from server.protocol import (
+    JsonTooDeep,
+    JsonValueError,
+    NamedToolChoice,
+    check_json_value,
+)
+from server.settings import ServerSettings
 
 MODES = ("none", "auto", "required", "named")
 
@@ -66,23 +70,12 @@ def new_call_id() -> str:
 
 
 # ------------------------------------------------------------------------- request checks
-def plan_tools(req: Any) -> ToolPlan:
-    """The request's tool plan; raises OpenAIError (400, naming the field) for bad tools, a
-    tool_choice that cannot be met, or tools next to another structured-output constraint
-    (checked by the caller, which knows the other constraint)."""
-    functions: list[dict] = []
-    for i, tool in enumerate(req.tools or []):
-        fn = tool.function
-        param = f"tools.{i}.function"
-        if not fn.name:
-            raise bad_request("a function name must be a non-empty string.", param=f"{param}.name")
-        if fn.name in (f["name"] for f in functions):
-            raise bad_request(f"tool names must be unique; {fn.name!r} is given twice.", param=f"{param}.name")
-        if fn.parameters is not None and fn.parameters.get("type", "object") != "object":
-            raise bad_request(f"the parameters of {fn.name!r} must be a JSON schema of type object.",
-                              param=f"{param}.parameters")
-        functions.append({k: v for k, v in (("name", fn.name), ("description", fn.description),
-                                            ("parameters", fn.parameters)) if v is not None})
+def plan_tools(req: Any, settings: ServerSettings | None = None) -> ToolPlan:
+    """The request's tool plan; raises OpenAIError (400, naming the field) for bad or too many
+    or too large tools (`settings`' limits; None: the defaults), a tool_choice that cannot be met,
+    or tools next to another structured-output constraint (checked by the caller, which knows
+    the other constraint). Linear in the size of the tools."""
+    functions = _functions(req.tools or [], settings or ServerSettings())
     choice = req.tool_choice
     if choice is None:
         mode, named = ("auto" if functions else "none"), None
@@ -99,17 +92,69 @@ def plan_tools(req: Any) -> ToolPlan:
         raise bad_request(f"tool_choice {_show(choice)} needs tools.", param="tool_choice")
     names = frozenset(f["name"] for f in functions)
     if named is not None and named not in names:
-        raise bad_request(f"tool_choice names the function {named!r}, which is not among the tools.",
+        raise bad_request(f"tool_choice names the function {named[:64]!r}, which is not among the tools.",
                           param="tool_choice")
     guided = None
     if mode in ("required", "named"):
         chosen = [f for f in functions if mode == "required" or f["name"] == named]
-        for i, f in enumerate(functions):  # a bad schema is named by its tool
-            if f in chosen:
-                _check(GuidedDecoding.json_schema(call_schema([f])), f"tools.{i}.function.parameters")
         guided = GuidedDecoding.json_schema(call_schema(chosen))
-        _check(guided, "tools")
     return ToolPlan(functions, mode, named, guided, names)
+
+
+def check_tool_schemas(plan: ToolPlan) -> None:
+    """Compile the schema of each tool the plan constrains to, so that a bad one is a 400 named
+    by its tool (`tools.<i>.function.parameters`). Costs a grammar compile per tool: the input
+    processor calls it on its worker thread, never on the event loop."""
+    if plan.guided is None:
+        return
+    for i, f in enumerate(plan.functions):
+        if plan.mode == "required" or f["name"] == plan.named:
+            _check(GuidedDecoding.json_schema(call_schema([f])), f"tools.{i}.function.parameters")
+
+
+def _functions(tools: list, settings: ServerSettings) -> list[dict]:
+    """The tools' function definitions, checked one by one, then their total size."""
+    if len(tools) > settings.max_tools:
+        raise bad_request(f"tools may hold at most {settings.max_tools} tools, got {len(tools)} (--max-tools).",
+                          param="tools")
+    functions: list[dict] = []
+    seen: set[str] = set()
+    total = 0
+    for i, tool in enumerate(tools):
+        fn = tool.function
+        param = f"tools.{i}.function"
+        if not fn.name:
+            raise bad_request("a function name must be a non-empty string.", param=f"{param}.name")
+        if fn.name in seen:
+            raise bad_request(f"tool names must be unique; {fn.name[:64]!r} is given twice.", param=f"{param}.name")
+        seen.add(fn.name)
+        if fn.parameters is not None:
+            _check_parameters(fn.name, fn.parameters, f"{param}.parameters", settings)
+        function = {k: v for k, v in (("name", fn.name), ("description", fn.description),
+                                      ("parameters", fn.parameters)) if v is not None}
+        size = len(json.dumps(function, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        if size > settings.max_tool_schema_bytes:
+            raise bad_request(f"the tool {fn.name[:64]!r} is too large: {size} bytes of JSON exceeds the limit of "
+                              f"{settings.max_tool_schema_bytes} (--max-tool-schema-bytes).", param=param)
+        total += size
+        functions.append(function)
+    if total > settings.max_total_tool_schema_bytes:
+        raise bad_request(f"the tools are too large: {total} bytes of JSON exceeds the limit of "
+                          f"{settings.max_total_tool_schema_bytes} (--max-total-tool-schema-bytes).", param="tools")
+    return functions
+
+
+def _check_parameters(name: str, parameters: dict, param: str, settings: ServerSettings) -> None:
+    """A parameters schema: a JSON schema of type object, nested at most --max-json-depth levels
+    (what `_has_ref` and `_rebase_refs` recurse through)."""
+    if parameters.get("type", "object") != "object":
+        raise bad_request(f"the parameters of {name[:64]!r} must be a JSON schema of type object.", param=param)
+    try:
+        check_json_value(parameters, settings.max_json_depth)
+    except JsonTooDeep as exc:
+        raise bad_request(f"the parameters of {name[:64]!r}: {exc} (--max-json-depth).", param=param) from None
+    except JsonValueError as exc:
+        raise bad_request(f"the parameters of {name[:64]!r}: {exc}.", param=param) from None
 
 
 def _show(choice: Any) -> str:
@@ -213,23 +258,6 @@ def text_messages(messages: list[dict], plan: ToolPlan | None) -> list[dict]:
 def _call_text(call: dict) -> str:
     fn = call.get("function") or {}
     return json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments", {})}, ensure_ascii=False)
-
-
-def prompt_renderer(messages: list[dict], plan: ToolPlan, chat_template: str | None) -> Callable[[Any], str]:
-    """The prompt as a function of the engine (run on the engine thread, where the tokenizer
-    lives): the template's own tool rendering when it has one, else `text_messages`."""
-    has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
-
-    def render(engine: Any) -> str:
-        if not plan.functions and not has_tool_turns:
-            return engine.chat_prompt(messages, chat_template)
-        tokenizer = getattr(engine, "tokenizer", None)
-        template = chat_template or getattr(engine, "chat_template", None)
-        if tokenizer is not None and template_supports_tools(tokenizer, template):
-            return apply_chat_template(tokenizer, messages, chat_template=template, tools=plan.tools or None)
-        return engine.chat_prompt(text_messages(messages, plan), chat_template)
-
-    return render
 
 
 # ------------------------------------------------------------------------------ outputs

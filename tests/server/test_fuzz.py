@@ -77,11 +77,11 @@ FUZZ = settings(max_examples=int(40 * SCALE), deadline=None, suppress_health_che
 
 @FUZZ
 @given(body=bodies(COMPLETION_FIELDS, "prompt", PROMPTS, tiny=True))
-def test_fuzz_completions(real_server, body):
-    check(real_server.url, "/v1/completions", body)
+def test_fuzz_completions(real_server, model, body):
+    check(real_server.url, "/v1/completions", {"model": model, **body})
 
 
 @FUZZ
 @given(body=bodies(CHAT_FIELDS, "messages", MESSAGES, tiny=True))
-def test_fuzz_chat(real_server, body):
-    check(real_server.url, "/v1/chat/completions", body)
+def test_fuzz_chat(real_server, model, body):
+    check(real_server.url, "/v1/chat/completions", {"model": model, **body})

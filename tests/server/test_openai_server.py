@@ -216,8 +216,8 @@ def test_beam_search_equals_offline_engine(client, model):
         bad(model=model, prompt=PROMPT, max_tokens=4, n=2, temperature=0.7, extra_body=extra)
 
 
-def test_stream_framing_usage_and_indexes(url):
-    body = {"messages": MESSAGES, "max_tokens": 4, "n": 2, "temperature": 0.7, "stream": True,
+def test_stream_framing_usage_and_indexes(url, model):
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 4, "n": 2, "temperature": 0.7, "stream": True,
             "stream_options": {"include_usage": True}}
     resp = post(url, "/v1/chat/completions", body)
     assert resp.headers["content-type"].startswith("text/event-stream")
@@ -234,7 +234,8 @@ def test_stream_framing_usage_and_indexes(url):
             if choice["finish_reason"]:
                 finishes[choice["index"]] = choice["finish_reason"]
     assert roles == {0: "assistant", 1: "assistant"} and finishes == {0: "length", 1: "length"}
-    plain = sse_events(post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "stream": True}).text)
+    plain = sse_events(post(url, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 3,
+                                                     "stream": True}).text)
     assert all("usage" not in e for e in plain)
 
 
@@ -267,11 +268,11 @@ def test_errors(url, client, model):
         client.chat.completions.create(model=model, messages=MESSAGES, stream_options={"include_usage": True})
     extreme = {"top_k": 10**12, "temperature": 1e30, "repetition_penalty": 1e30, "seed": -1, "min_p": 1.0}
     for key, value in extreme.items():
-        r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, key: value})
+        r = post(url, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2, key: value})
         assert r.status_code == 200, (key, r.text)
     for bad in ({"max_tokens": 10**12}, {"stop_token_ids": [10**12]}, {"logit_bias": {str(10**10): 1}},
                 {"seed": 2**64}, {"prompt": [10**9]}):
-        r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **bad})
+        r = post(url, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2, **bad})
         assert r.status_code == 400, (bad, r.text)
     r = httpx.post(url + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
@@ -279,24 +280,26 @@ def test_errors(url, client, model):
 
 
 # ---------------------------------------------------------------------------- concurrency
-def test_32_concurrent_mixed_requests(url, greedy):
+def test_32_concurrent_mixed_requests(url, model, greedy):
     expected = greedy.choices[0].text
 
     async def one(c: httpx.AsyncClient, i: int):
         kind = i % 4
         if kind == 0:
-            r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": N_TOK, "temperature": 0})
+            r = await c.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": N_TOK,
+                                                      "temperature": 0})
             return kind, r.json()["choices"][0]["text"]
         if kind == 1:
-            r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": N_TOK, "temperature": 0,
-                                                      "stream": True})
+            r = await c.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": N_TOK,
+                                                      "temperature": 0, "stream": True})
             return kind, "".join(e["choices"][0]["text"] for e in sse_events(r.text) if e["choices"])
         if kind == 2:
-            r = await c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 6, "n": 2,
-                                                           "temperature": 0.9, "seed": i})
+            r = await c.post("/v1/chat/completions", json={"model": model, "messages": MESSAGES, "max_tokens": 6,
+                                                           "n": 2, "temperature": 0.9, "seed": i})
             return kind, [ch["finish_reason"] for ch in r.json()["choices"]]
-        r = await c.post("/v1/completions", json={"prompt": f"Story {i}:", "max_tokens": 6, "temperature": 0.8,
-                                                  "stream": True, "stream_options": {"include_usage": True}})
+        r = await c.post("/v1/completions", json={"model": model, "prompt": f"Story {i}:", "max_tokens": 6,
+                                                  "temperature": 0.8, "stream": True,
+                                                  "stream_options": {"include_usage": True}})
         return kind, sse_events(r.text)[-1]["usage"]["completion_tokens"]
 
     async def health_probe(c: httpx.AsyncClient, done: asyncio.Event) -> float:
@@ -329,10 +332,11 @@ def test_32_concurrent_mixed_requests(url, greedy):
     wait_pool_free(url)
 
 
-def test_disconnect_mid_stream_frees_the_pool(url):
+def test_disconnect_mid_stream_frees_the_pool(url, model):
     wait_pool_free(url)
     with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                      json={"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}) as r:
+                      json={"model": model, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True,
+                            "stream": True}) as r:
         lines = r.iter_lines()
         for _ in range(3):
             assert next(lines).startswith("data: ")
@@ -342,11 +346,11 @@ def test_disconnect_mid_stream_frees_the_pool(url):
     assert "paged_serve:client_disconnects_total" in httpx.get(url + "/metrics").text
 
 
-def test_disconnect_non_streaming_frees_the_pool(url):
+def test_disconnect_non_streaming_frees_the_pool(url, model):
     wait_pool_free(url)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True},
-                   timeout=1.5)
+        httpx.post(url + "/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 1000,
+                                                  "ignore_eos": True}, timeout=1.5)
     wait_pool_free(url)
 
 
@@ -376,7 +380,7 @@ def test_usage_reports_prefix_cached_prompt_tokens(client, model):
     assert again.usage.prompt_tokens_details.cached_tokens > 0
 
 
-def test_plain_chat_message_has_no_tool_calls_key(url):
-    body = {"messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+def test_plain_chat_message_has_no_tool_calls_key(url, model):
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
     message = post(url, "/v1/chat/completions", body).json()["choices"][0]["message"]
     assert set(message) == {"role", "content"}

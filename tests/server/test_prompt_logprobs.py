@@ -89,12 +89,12 @@ def test_prompt_logprobs_extra_field(real_server, client, model):
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=N_TOK, temperature=0, echo=True,
                                     logprobs=1, extra_body={"prompt_logprobs": 4})
     assert_echoed(out.choices[0].logprobs, out.choices[0].text, n_prompt, 1, k_prompt=4)
-    body = {"prompt": PROMPT, "max_tokens": 1, "echo": True, "logprobs": 1}
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "echo": True, "logprobs": 1}
     error = assert_error(post(real_server, "/v1/completions", {**body, "prompt_logprobs": 21}), 400, "prompt_logprobs")
     assert "20" in error["message"]
     assert_error(post(real_server, "/v1/completions", {**body, "prompt_logprobs": -1}), 400, "prompt_logprobs")
     assert_error(post(real_server, "/v1/completions", {**body, "logprobs": 21}), 400, "logprobs")
-    error = assert_error(post(real_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2}),
-                         400, "prompt_logprobs")
+    error = assert_error(post(real_server, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 1,
+                                                               "prompt_logprobs": 2}), 400, "prompt_logprobs")
     assert "echo" in error["message"]
     wait_pool_free(real_server.url)

@@ -68,13 +68,13 @@ def model(real_server) -> str:
 
 
 @pytest.mark.parametrize("body,param", BAD_COMPLETIONS, ids=[str(b)[:60] for b, _ in BAD_COMPLETIONS])
-def test_bad_completion_requests_are_400(real_server, body, param):
-    assert_error(post(real_server, "/v1/completions", body), 400, param)
+def test_bad_completion_requests_are_400(real_server, model, body, param):
+    assert_error(post(real_server, "/v1/completions", {"model": model, **body}), 400, param)
 
 
 @pytest.mark.parametrize("body,param", BAD_CHAT, ids=[str(b)[:60] for b, _ in BAD_CHAT])
-def test_bad_chat_requests_are_400(real_server, body, param):
-    assert_error(post(real_server, "/v1/chat/completions", body), 400, param)
+def test_bad_chat_requests_are_400(real_server, model, body, param):
+    assert_error(post(real_server, "/v1/chat/completions", {"model": model, **body}), 400, param)
 
 
 @pytest.mark.parametrize("body", ["{bad json", "[1, 2]", "null", '"text"', "",
@@ -84,8 +84,9 @@ def test_malformed_bodies_are_400(real_server, body):
     assert_error(post(real_server, "/v1/chat/completions", body), 400)
 
 
-def test_context_length_message(real_server):
-    err = assert_error(post(real_server, "/v1/completions", {"prompt": "x" * 100, "max_tokens": 2040}), 400, "prompt")
+def test_context_length_message(real_server, model):
+    err = assert_error(post(real_server, "/v1/completions", {"model": model, "prompt": "x" * 100, "max_tokens": 2040}),
+                       400, "prompt")
     assert err["message"].startswith("This model's maximum context length is 2048 tokens. However, you requested")
     assert err["code"] == "context_length_exceeded"
 
@@ -104,15 +105,15 @@ def test_unknown_route_and_method(real_server):
     assert_error(httpx.get(real_server.url + "/v1/completions"), 405)
 
 
-def test_extra_fields_are_ignored(real_server):
-    resp = post(real_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "frobnicate": 1})
+def test_extra_fields_are_ignored(real_server, model):
+    resp = post(real_server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2, "frobnicate": 1})
     assert resp.status_code == 200
 
 
-def test_multi_prompt_indexes_and_usage(real_server):
+def test_multi_prompt_indexes_and_usage(real_server, model):
     prompts = ["The sky is", "One, two,"]
     resp = post(real_server, "/v1/completions",
-                {"prompt": prompts, "max_tokens": 3, "n": 2, "temperature": 0, "ignore_eos": True})
+                {"model": model, "prompt": prompts, "max_tokens": 3, "n": 2, "temperature": 0, "ignore_eos": True})
     body = resp.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     texts = [c["text"] for c in body["choices"]]
@@ -122,8 +123,9 @@ def test_multi_prompt_indexes_and_usage(real_server):
                              "prompt_tokens_details": {"cached_tokens": 0}}  # short prompts: no full block
 
 
-def test_stop_reason_is_the_matched_stop_string(real_server):
-    greedy = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+def test_stop_reason_is_the_matched_stop_string(real_server, model):
+    greedy = {"model": model, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+              "ignore_eos": True}
     text = post(real_server, "/v1/completions", greedy).json()["choices"][0]["text"]
     stop = text[2:4]
     assert stop.strip(), text
@@ -133,8 +135,8 @@ def test_stop_reason_is_the_matched_stop_string(real_server):
     assert (c["finish_reason"], c["stop_reason"]) == ("length", None)
 
 
-def test_streaming_framing_with_usage_and_n(real_server):
-    body = {"prompt": "Hello", "max_tokens": 4, "n": 2, "temperature": 0, "ignore_eos": True}
+def test_streaming_framing_with_usage_and_n(real_server, model):
+    body = {"model": model, "prompt": "Hello", "max_tokens": 4, "n": 2, "temperature": 0, "ignore_eos": True}
     full = post(real_server, "/v1/completions", body).json()["choices"][0]["text"]
     events = sse_events(post(real_server, "/v1/completions",
                              {**body, "stream": True, "stream_options": {"include_usage": True}}).text)
@@ -149,10 +151,10 @@ def test_streaming_framing_with_usage_and_n(real_server):
     assert texts == {0: full, 1: full}
 
 
-def test_streaming_without_usage_has_no_usage_key(real_server):
+def test_streaming_without_usage_has_no_usage_key(real_server, model):
     events = sse_events(post(real_server, "/v1/chat/completions",
-                             {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
-                              "ignore_eos": True}).text)
+                             {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                              "stream": True, "ignore_eos": True}).text)
     assert all("usage" not in e for e in events[:-1])
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert events[-2]["choices"][0]["finish_reason"] == "length"

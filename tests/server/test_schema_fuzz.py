@@ -74,15 +74,16 @@ def keep_small(body):
     return body
 
 
-def repair(body):
-    """Fix what the schema allows but the server refuses (see the module docstring)."""
+def repair(body, model: str):
+    """Fix what the schema allows but the server refuses (see the module docstring); `model` is
+    the served name."""
     if not isinstance(body, dict):
         return body
 
     def ids(tokens):
         return [abs(t) % 1000 for t in tokens] or [1]
 
-    body.pop("model", None)
+    body["model"] = model
     for key in ("tools", "response_format", "suffix"):
         body.pop(key, None)
     prompt = body.get("prompt")
@@ -136,7 +137,7 @@ def fuzz(url: str, schema, label: str, examples: int) -> Counter:
         @given(case=operation.as_strategy(mode), fix=st.booleans())
         def run(case, fix):
             if fix and mode is GenerationMode.POSITIVE:
-                case.body = repair(case.body)
+                case.body = repair(case.body, served)
                 if "model" in (case.path_parameters or {}):
                     case.path_parameters = {"model": served}
             if label in GENERATING:

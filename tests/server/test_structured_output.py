@@ -71,16 +71,17 @@ BAD = [
 
 
 @pytest.mark.parametrize("body,param", BAD, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD)])
-def test_bad_constraints_are_400_naming_the_field(url, body, param):
-    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, **body}, timeout=60)
+def test_bad_constraints_are_400_naming_the_field(url, model, body, param):
+    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4, **body}, timeout=60)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
     wait_pool_free(url)
 
 
-def test_unsatisfiable_constraint_is_a_400_and_an_in_band_error_when_streaming(url):
-    body = {"prompt": "Hi", "max_tokens": 4, "guided_regex": "\u00e0\U000a8684"}  # no token holds byte 0xF2
+def test_unsatisfiable_constraint_is_a_400_and_an_in_band_error_when_streaming(url, model):
+    # No token holds byte 0xF2.
+    body = {"model": model, "prompt": "Hi", "max_tokens": 4, "guided_regex": "\u00e0\U000a8684"}
     r = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert "cannot be met" in r.json()["error"]["message"]
