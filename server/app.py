@@ -19,7 +19,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from engine.async_engine import AsyncEngine, EngineDeadError
 from server.context import ServerContext
 from server.errors import install_error_handlers
-from server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from server.input_processor import InputProcessor
+from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from server.protocol import now
 from server.routes import chat, completions, models, ops, tokenize
 from server.settings import ServerSettings
@@ -40,7 +41,8 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
                on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
     """Build the app. `engine_factory()` returns a loaded `LLMEngine` (called on the engine
     thread); `on_load_failure(exc)` runs on the event loop if it raises (e.g. to exit 1)."""
-    engine = AsyncEngine(engine_factory, max_queued_requests=settings.max_queued_requests)
+    engine = AsyncEngine(engine_factory, max_queued_requests=settings.max_queued_requests,
+                         stall_timeout=settings.engine_stall_timeout)
     ctx = ServerContext(settings=settings, engine=engine)
     engine.on_ready = lambda llm: _on_engine_ready(ctx, llm)
 
@@ -53,6 +55,8 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
         finally:
             watcher.cancel()
             engine.shutdown()
+            if ctx.inputs is not None:
+                ctx.inputs.shutdown()
 
     app = FastAPI(title="paged-serve", version=_version(), lifespan=lifespan)
     app.state.ctx = ctx
@@ -60,8 +64,9 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
     for module in (completions, chat, models, tokenize, ops):
         app.include_router(module.router)
 
-    # Middleware: the last added is the outermost (CORS, then auth, then the body limit).
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    # Middleware: the last added is the outermost (CORS, then auth, then the body's checks).
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes,
+                       max_json_depth=settings.max_json_depth)
     if settings.api_key:
         # NOTE: /dashboard is a static page with no data (it asks for a key and sends it to the
         # guarded /kv/blocks); a browser cannot send a Bearer header when it opens a page.
@@ -79,7 +84,11 @@ def _on_engine_ready(ctx: ServerContext, llm: Any) -> None:
     ctx.model_name = config.served_model_name
     ctx.max_model_len = config.max_model_len
     ctx.tokenizer = llm.tokenizer
-    ctx.vocab_size = len(llm.tokenizer)
+    ctx.vocab_size = len(llm.tokenizer) if llm.tokenizer is not None else config.hf_config.vocab_size
+    ctx.inputs = InputProcessor(llm.tokenizer, vocab_size=ctx.vocab_size, max_model_len=ctx.max_model_len,
+                                chat_template=ctx.settings.chat_template,
+                                max_prompt_tokens=ctx.settings.max_prompt_tokens_per_request,
+                                grammars=llm.structured_outputs)
     ctx.created = now()
     try:
         ctx.metrics = make_metrics(ctx.model_name, llm.cache_info())

@@ -1,29 +1,34 @@
-"""What completions and chat share: starting one engine request per prompt, reading their
-outputs merged, turning cumulative outputs into per-choice deltas, and aborting everything when
-the client goes away (streaming or not).
+"""What completions and chat share: starting one engine request per prompt (streamed requests
+get delta outputs, the others one final output), reading their outputs merged, tracking the
+streamed choices, and aborting everything when the client goes away (streaming or not).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.async_engine import AsyncEngine, PromptLike, RequestStream
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.async_engine import AsyncEngine, RequestFailedError, RequestStream
+from engine.outputs import CompletionOutput, OutputKind, RequestOutput
 from engine.sampling_params import SamplingParams
 from server.context import ServerContext
 from server.errors import OpenAIError, from_engine_error, from_value_error
+from server.input_processor import Prompt
 from server.protocol import UsageInfo
 
+logger = logging.getLogger(__name__)
 
-async def start_requests(engine: AsyncEngine, base_id: str, prompts: list[PromptLike],
-                         params: SamplingParams, prompt_param: str = "prompt") -> list[RequestStream]:
-    """Add one engine request per prompt (ids `{base_id}-{i}`); all or nothing.
+
+async def start_requests(engine: AsyncEngine, base_id: str, prompts: list[Prompt],
+                         params: SamplingParams, stream: bool, prompt_param: str = "prompt") -> list[RequestStream]:
+    """Add one engine request per prompt (request ids `{base_id}-{i}`); all or nothing.
+    `stream`: outputs are deltas (else one final output per request).
 
     Raises OpenAIError: 400 for the engine's ValueError (e.g. the context length), 429/503 for
     the engine's state."""
@@ -32,9 +37,11 @@ async def start_requests(engine: AsyncEngine, base_id: str, prompts: list[Prompt
     except Exception as exc:  # noqa: BLE001
         raise from_engine_error(exc) from None
     streams: list[RequestStream] = []
+    kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(await engine.add_request(f"{base_id}-{i}", prompt, params, checked=True))
+            streams.append(await engine.add_request(f"{base_id}-{i}", prompt.token_ids, params, checked=True,
+                                                    output_kind=kind, prompt_text=prompt.text, grammar=prompt.grammar))
     except BaseException as exc:
         release(engine, streams)
         if isinstance(exc, ValueError):
@@ -52,45 +59,28 @@ def release(engine: AsyncEngine, streams: list[RequestStream]) -> None:
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from all streams as they arrive; an error in any stream ends it."""
+    """(prompt index, output) from all streams as they arrive; an error in any stream ends it.
+    NOTE: one read in flight per stream, so that a slow consumer leaves the rest to each
+    stream's own coalescing rather than to a queue here."""
     if len(streams) == 1:
         async for output in streams[0]:
             yield 0, output
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for output in stream:
-                queue.put_nowait((i, output))
-            queue.put_nowait((i, None))
-        except Exception as exc:  # noqa: BLE001 - re-raised by the reader
-            queue.put_nowait((i, exc))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    reads = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
     try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+        while reads:
+            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: reads[t]):
+                i = reads.pop(task)
+                try:
+                    output = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, output
+                reads[asyncio.ensure_future(streams[i].__anext__())] = i
     finally:
-        for task in tasks:
+        for task in reads:
             task.cancel()
-
-
-@dataclass
-class ChoiceCursor:
-    """How much of one choice has been sent already."""
-
-    text: int = 0
-    tokens: int = 0
-    logprobs: int = 0
-    finished: bool = False
 
 
 @dataclass
@@ -104,14 +94,16 @@ class Delta:
     first: bool  # first delta of this choice
 
 
-class DeltaTracker:
-    """Turns cumulative `RequestOutput`s into per-choice deltas for streaming."""
+class StreamTracker:
+    """The choices of a streamed response, fed the engine's delta outputs (OutputKind.DELTA):
+    which choices have started and finished, and the usage so far. Constant work per delta."""
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.cursors: dict[int, ChoiceCursor] = {}
+        self.started: set[int] = set()
+        self.finished: set[int] = set()
         self.prompt_tokens: dict[int, int] = {}
-        self.completion_tokens: dict[int, int] = {}
+        self.completion_tokens = 0
         self.cached_tokens: dict[int, int] = {}
 
     def deltas(self, prompt_index: int, output: RequestOutput) -> list[Delta]:
@@ -120,34 +112,35 @@ class DeltaTracker:
         result = []
         for choice in output.outputs:
             index = prompt_index * self.n + choice.index
-            cursor = self.cursors.get(index)
-            first = cursor is None
-            cursor = cursor or self.cursors.setdefault(index, ChoiceCursor())
-            if cursor.finished:
+            if index in self.finished:
                 continue
-            text = choice.text[cursor.text:]
-            token_ids = list(choice.token_ids[cursor.tokens:])
-            logprobs = list(choice.logprobs[cursor.logprobs:]) if choice.logprobs is not None else None
-            cursor.text, cursor.tokens = len(choice.text), len(choice.token_ids)
-            cursor.logprobs = len(choice.logprobs) if choice.logprobs is not None else 0
-            cursor.finished = choice.finish_reason is not None
-            self.completion_tokens[index] = len(choice.token_ids)
-            if not (text or token_ids or cursor.finished or first):
+            first = index not in self.started
+            self.started.add(index)
+            if choice.finish_reason is not None:
+                self.finished.add(index)
+            self.completion_tokens += len(choice.token_ids)
+            if not (choice.text or choice.token_ids or choice.finish_reason is not None or first):
                 continue
-            result.append(Delta(index, text, token_ids, logprobs, choice.finish_reason,
+            result.append(Delta(index, choice.text, choice.token_ids, choice.logprobs, choice.finish_reason,
                                 choice.stop_reason, first))
         return result
 
     def usage(self) -> UsageInfo:
-        return UsageInfo.of(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()),
+        return UsageInfo.of(sum(self.prompt_tokens.values()), self.completion_tokens,
                             sum(self.cached_tokens.values()))
 
 
 async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
-    """The final output of every stream, in prompt order."""
+    """The final output of every stream, in prompt order. Every choice of it has an OpenAI
+    finish_reason ("stop" or "length"); one without (a request the engine ended aborted, which
+    always comes with an error) is an internal failure of that request."""
     finals: list[RequestOutput | None] = [None] * len(streams)
     async for i, output in merged(streams):
         finals[i] = output
+    for final in finals:
+        if final is not None and any(c.finish_reason is None for c in final.outputs):
+            logger.error("request %s ended without a finish reason: %s", final.request_id, final.outputs)
+            raise RequestFailedError("Internal error while generating this request; the server log has the details.")
     return [f for f in finals if f is not None]
 
 

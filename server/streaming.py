@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from engine.async_engine import RequestStream
 from server.context import ServerContext
 from server.errors import OpenAIError, from_engine_error
-from server.generation import DeltaTracker, release
+from server.generation import StreamTracker, release
 from server.protocol import UsageInfo
 
 DONE = "data: [DONE]\n\n"
@@ -30,7 +30,7 @@ def sse_error(error: OpenAIError) -> str:
 
 
 async def sse_body(ctx: ServerContext, streams: list[RequestStream], chunks: AsyncIterator[str],
-                   tracker: DeltaTracker, usage_chunk: Callable[[UsageInfo], str] | None) -> AsyncIterator[str]:
+                   tracker: StreamTracker, usage_chunk: Callable[[UsageInfo], str] | None) -> AsyncIterator[str]:
     """A streaming response's body: the route's choice `chunks` (SSE frames read from `streams`
     through `tracker`), then, if `usage_chunk` is given, the frame it makes of the usage counted by
     `tracker` once `chunks` is exhausted, then `data: [DONE]`.

@@ -15,7 +15,7 @@ from engine.async_engine import RequestStream
 from engine.sampling_params import SamplingParams
 from server.context import ServerContext, get_ctx
 from server.errors import OpenAIError, bad_request, from_engine_error
-from server.generation import DeltaTracker, collect, merged, release, sorted_choices, start_requests, until_disconnect
+from server.generation import StreamTracker, collect, merged, release, sorted_choices, start_requests, until_disconnect
 from server.logprobs import chat_logprobs
 from server.protocol import (
     ChatChoiceLogprobs,
@@ -37,6 +37,7 @@ from server.protocol import (
 )
 from server.routes.common import require_ready
 from server.sampling import chat_params
+from server.structured import constraint_param
 from server.streaming import SSE_HEADERS, sse, sse_body
 from server.tools import (
     CallStreamer,
@@ -46,7 +47,6 @@ from server.tools import (
     parse_tool_call,
     partial_call,
     plan_tools,
-    prompt_renderer,
 )
 
 router = APIRouter()
@@ -105,12 +105,17 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     ctx = get_ctx(request)
     require_ready(ctx)
     model = ctx.check_model(req.model)
-    plan = plan_tools(req)
+    plan = plan_tools(req, ctx.settings)
     messages = to_template_messages(req.messages)
     params = chat_params(req, ctx.settings, ctx.vocab_size, plan)
+    prompt = await ctx.inputs.chat_prompt(messages, plan, params.max_tokens)
+    tool_call = plan.guided is not None and params.guided_decoding is plan.guided
+    (prompt,) = await ctx.inputs.with_grammars([prompt], params.guided_decoding,
+                                               "tools" if tool_call else constraint_param(req),
+                                               plan if tool_call else None)
     request_id = random_id("chatcmpl")
-    prompt = prompt_renderer(messages, plan, ctx.settings.chat_template)
-    streams = await start_requests(ctx.engine, request_id, [prompt], params, prompt_param="messages")
+    streams = await start_requests(ctx.engine, request_id, [prompt], params, bool(req.stream),
+                                   prompt_param="messages")
     top_n = req.top_logprobs or 0
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -120,7 +125,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
 
 
 def _decode_one(ctx: ServerContext):
-    return lambda token_id: ctx.tokenizer.decode([token_id])
+    return ctx.inputs.decode_token
 
 
 def _answer(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[ResponseMessage, str | None]:
@@ -226,7 +231,7 @@ def _delta_call(arguments: str, name: str | None = None) -> DeltaToolCall:
 def _stream(ctx: ServerContext, params: SamplingParams, plan: ToolPlan, request_id: str, model: str,
             streams: list[RequestStream], top_n: int, include_usage: bool) -> AsyncIterator[str]:
     created = now()
-    tracker = DeltaTracker(params.n)
+    tracker = StreamTracker(params.n)
     tool_streams: dict[int, _ToolChoiceStream] = {}
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:

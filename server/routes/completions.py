@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.async_engine import PromptLike, RequestStream
+from engine.async_engine import RequestStream
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.context import ServerContext, get_ctx
 from server.errors import OpenAIError, bad_request, from_engine_error
-from server.generation import DeltaTracker, collect, merged, release, sorted_choices, start_requests, until_disconnect
+from server.generation import StreamTracker, collect, merged, release, sorted_choices, start_requests, until_disconnect
 from server.logprobs import completion_logprobs
 from server.protocol import (
     CompletionChoice,
@@ -28,15 +28,18 @@ from server.protocol import (
 )
 from server.routes.common import require_ready
 from server.sampling import completion_params
+from server.structured import constraint_param
 from server.streaming import SSE_HEADERS, sse, sse_body
 
 router = APIRouter()
 
 
-def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[PromptLike]:
+def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[str | list[int]]:
+    """The request's prompts, each a text or a list of token ids (shapes checked here; ids and
+    lengths by the input processor)."""
     prompt = req.prompt
     if isinstance(prompt, str):
-        prompts: list[PromptLike] = [prompt]
+        prompts: list[str | list[int]] = [prompt]
     elif not prompt:
         raise bad_request("prompt must not be empty.", param="prompt")
     elif isinstance(prompt[0], int):
@@ -49,8 +52,6 @@ def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[PromptLike]:
     for p in prompts:
         if len(p) == 0:
             raise bad_request("prompt must not be empty.", param="prompt")
-        if isinstance(p, list) and ctx.vocab_size is not None and any(not 0 <= t < ctx.vocab_size for t in p):
-            raise bad_request(f"prompt token ids must be in [0, {ctx.vocab_size}).", param="prompt")
     return prompts
 
 
@@ -61,9 +62,11 @@ async def create_completion(req: CompletionRequest, request: Request) -> Respons
     model = ctx.check_model(req.model)
     prompts = _prompts(req, ctx)
     params = completion_params(req, ctx.settings, ctx.vocab_size)
+    inputs = await ctx.inputs.completion_prompts(prompts, params.max_tokens, echo=bool(req.echo))
+    inputs = await ctx.inputs.with_grammars(inputs, params.guided_decoding, constraint_param(req))
     request_id = random_id("cmpl")
-    streams = await start_requests(ctx.engine, request_id, prompts, params)
-    echo_texts = await _echo_texts(ctx, prompts, streams) if req.echo else None
+    streams = await start_requests(ctx.engine, request_id, inputs, params, bool(req.stream))
+    echo_texts = [p.text or "" for p in inputs] if req.echo else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(ctx, req, params, request_id, model, streams, echo_texts, include_usage)
@@ -71,19 +74,8 @@ async def create_completion(req: CompletionRequest, request: Request) -> Respons
     return await until_disconnect(request, ctx, _full(ctx, req, params, request_id, model, streams, echo_texts))
 
 
-async def _echo_texts(ctx: ServerContext, prompts: list[PromptLike], streams: list[RequestStream]) -> list[str]:
-    try:
-        token_prompts = [p for p in prompts if isinstance(p, list)]
-        decoded = iter(await ctx.engine.call(lambda e: [e.tokenizer.decode(p) for p in token_prompts])
-                       if token_prompts else [])
-    except BaseException:
-        release(ctx.engine, streams)
-        raise
-    return [p if isinstance(p, str) else next(decoded) for p in prompts]
-
-
 def _decode_one(ctx: ServerContext):
-    return lambda token_id: ctx.tokenizer.decode([token_id])
+    return ctx.inputs.decode_token
 
 
 def _logprobs(ctx: ServerContext, output: RequestOutput, entries: list, token_ids: list[int],
@@ -136,7 +128,7 @@ def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingParams, 
             model: str, streams: list[RequestStream], echo_texts: list[str] | None,
             include_usage: bool) -> AsyncIterator[str]:
     created = now()
-    tracker = DeltaTracker(params.n)
+    tracker = StreamTracker(params.n)
     offsets: dict[int, int] = {}
 
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:

@@ -1,11 +1,11 @@
-"""POST /tokenize and /detokenize (vLLM's shapes). The tokenizer runs on the engine thread."""
+"""POST /tokenize and /detokenize (vLLM's shapes), through the input processor's worker threads."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
 from server.context import get_ctx
-from server.errors import bad_request, from_value_error
+from server.errors import bad_request
 from server.protocol import DetokenizeRequest, TokenizeRequest
 from server.routes.chat import to_template_messages
 from server.routes.common import require_ready
@@ -21,23 +21,7 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("Give exactly one of prompt or messages.", param="prompt")
     messages = to_template_messages(req.messages) if req.messages is not None else None
-    template = ctx.settings.chat_template
-
-    def run(engine) -> dict:
-        if messages is not None:
-            text, add_special = engine.chat_prompt(messages, template), False
-        else:
-            text, add_special = req.prompt, req.add_special_tokens
-        ids = engine.tokenizer.encode(text, add_special_tokens=add_special)
-        result = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            result["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
-        return result
-
-    try:
-        return await ctx.engine.call(run)
-    except ValueError as exc:
-        raise from_value_error(exc) from None
+    return await ctx.inputs.tokenize(req.prompt, messages, req.add_special_tokens, req.return_token_strs)
 
 
 @router.post("/detokenize")
@@ -45,7 +29,4 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
     ctx = get_ctx(request)
     require_ready(ctx)
     ctx.check_model(req.model)
-    if ctx.vocab_size is not None and any(not 0 <= t < ctx.vocab_size for t in req.tokens):
-        raise bad_request(f"tokens must be token ids in [0, {ctx.vocab_size}).", param="tokens")
-    text = await ctx.engine.call(lambda engine: engine.tokenizer.decode(req.tokens))
-    return {"prompt": text}
+    return {"prompt": await ctx.inputs.detokenize(req.tokens)}

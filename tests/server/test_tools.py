@@ -11,16 +11,18 @@ import httpx
 import pytest
 
 from engine.structured_output import GuidedDecoding, validate
+from engine.tokenizer import apply_chat_template
 from server.errors import OpenAIError
+from server.input_processor import InputProcessor
 from server.protocol import ChatCompletionRequest
 from server.tools import (
+    check_tool_schemas,
     CallStreamer,
     call_schema,
     may_be_call,
     parse_tool_call,
     partial_call,
     plan_tools,
-    prompt_renderer,
     text_messages,
     tool_prompt_block,
 )
@@ -42,7 +44,7 @@ NAMES = frozenset({"get_weather", "get_time"})
 
 
 def plan(**body):
-    return plan_tools(ChatCompletionRequest(messages=ASK, **body))
+    return plan_tools(ChatCompletionRequest(model="m", messages=ASK, **body))
 
 
 # ------------------------------------------------------------------------------ unit tests
@@ -72,8 +74,10 @@ def test_plan_defaults_and_modes():
 ], ids=["required-no-tools", "named-no-tools", "named-unknown", "duplicate", "empty-name", "non-object",
         "llguidance-rejects"])
 def test_plan_errors_name_the_field(body, param):
+    """Cheap checks fail in plan_tools (on the event loop); a schema the grammar compiler
+    rejects fails in check_tool_schemas (on the input processor's worker thread)."""
     with pytest.raises(OpenAIError) as info:
-        plan(**body)
+        check_tool_schemas(plan(**body))
     assert info.value.status == 400 and info.value.param == param, info.value.message
 
 
@@ -158,17 +162,6 @@ def test_prompt_block_and_text_messages():
     assert "Do not call a tool" in tool_prompt_block(plan(tools=TOOLS, tool_choice="none"))
 
 
-class _Engine:
-    """What prompt_renderer uses of an engine."""
-
-    def __init__(self, tokenizer, chat_template=None):
-        self.tokenizer, self.chat_template = tokenizer, chat_template
-
-    def chat_prompt(self, messages, chat_template=None):
-        from engine.tokenizer import apply_chat_template
-        return apply_chat_template(self.tokenizer, messages, chat_template=chat_template or self.chat_template)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     from engine.models.loader import resolve_model
@@ -182,18 +175,21 @@ def test_prompt_uses_the_templates_tools_or_the_block(tokenizer):
                {"role": "assistant", "content": "", "tool_calls": [
                    {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]},
                {"role": "tool", "content": "12:00", "tool_call_id": "c"}]
-    smol = prompt_renderer(history, p, None)(_Engine(tokenizer))  # SmolLM2's template knows no tools
+    smol = InputProcessor(tokenizer, vocab_size=len(tokenizer), max_model_len=2048).render_chat(history, p)
+    # (SmolLM2's template knows no tools)
     assert "You can call these tools" in smol and '{"name": "get_time", "arguments": {"zone": "UTC"}}' in smol
     assert "Tool result (c):\n12:00" in smol
     native = ("{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
               "{% for m in messages %}[{{ m.role }}] {{ m.content }}"
               "{% for c in m.tool_calls or [] %}<call {{ c.function.name }} {{ c.function.arguments | tojson }}>"
               "{% endfor %}{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}|{% endfor %}")
-    text = prompt_renderer(history, p, native)(_Engine(tokenizer))
+    text = InputProcessor(tokenizer, vocab_size=len(tokenizer), max_model_len=2048,
+                          chat_template=native).render_chat(history, p)
     assert text == ('[tool get_weather][tool get_time][user] hi|[assistant] <call get_time {"zone": "UTC"}>|'
                     "[tool] 12:00(c)|")
     plain = [{"role": "user", "content": "hi"}]
-    assert prompt_renderer(plain, plan(), None)(_Engine(tokenizer)) == _Engine(tokenizer).chat_prompt(plain)
+    plain_text = InputProcessor(tokenizer, vocab_size=len(tokenizer), max_model_len=2048).render_chat(plain, plan())
+    assert plain_text == apply_chat_template(tokenizer, plain)
 
 
 # --------------------------------------------------------------------- the real server
@@ -319,12 +315,13 @@ BAD_TOOLS = [
 
 
 @pytest.mark.parametrize("body,param", BAD_TOOLS, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD_TOOLS)])
-def test_bad_tool_requests_are_400(real_server, body, param):
-    assert_error(post(real_server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 2, **body}), 400, param)
+def test_bad_tool_requests_are_400(real_server, model, body, param):
+    assert_error(post(real_server, "/v1/chat/completions", {"model": model, "messages": ASK, "max_tokens": 2, **body}),
+                 400, param)
 
 
-def test_tool_choice_none_with_response_format_is_allowed(url):
-    body = {"messages": ASK, "max_tokens": 4, "tools": TOOLS, "tool_choice": "none",
+def test_tool_choice_none_with_response_format_is_allowed(url, model):
+    body = {"model": model, "messages": ASK, "max_tokens": 4, "tools": TOOLS, "tool_choice": "none",
             "response_format": {"type": "json_object"}}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
