@@ -27,9 +27,10 @@ def split_server_flags(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def start_server(flags: list[str], env: dict[str, str] | None = None,
-                 timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
-    """Start `python -m server` with `flags` (environment `env`, default: this process's) and
-    wait until GET /health answers 200. Returns (process, base url).
+                 timeout: float = 300.0, repo: Path = REPO, stdout=None) -> tuple[subprocess.Popen, str]:
+    """Start `python -m server` with `flags` (environment `env`, default: this process's) from
+    the checkout `repo` (default: this one; another one compares versions) and wait until GET
+    /health answers 200. Returns (process, base url).
 
     Raises SystemExit if the server exits first, or (after killing it) is not healthy within
     `timeout` seconds."""
@@ -38,7 +39,7 @@ def start_server(flags: list[str], env: dict[str, str] | None = None,
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
            "--disable-uvicorn-access-log", "--log-level", "warning", *flags]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
+    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -65,8 +65,12 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
         app.include_router(module.router)
 
     # Middleware: the last added is the outermost (CORS, then auth, then the body's checks).
+    counts = {"messages": (settings.max_messages, "messages"), "tools": (settings.max_tools, "tools"),
+              "stop": (settings.max_stop_sequences, "sequences"),
+              "stop_token_ids": (settings.max_stop_token_ids, "token ids"),
+              "logit_bias": (settings.max_logit_bias, "entries")}
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes,
-                       max_json_depth=settings.max_json_depth)
+                       max_json_depth=settings.max_json_depth, max_counts=counts)
     if settings.api_key:
         # NOTE: /dashboard is a static page with no data (it asks for a key and sends it to the
         # guarded /kv/blocks); a browser cannot send a Bearer header when it opens a page.

@@ -63,10 +63,15 @@ class BodyLimitMiddleware:
     (`json_body_error`). Bodies are read whole (ours are small JSON) and replayed to the app;
     later `receive()` calls pass through, so disconnects are still seen."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, max_json_depth: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_json_depth: int,
+                 max_counts: dict[str, tuple[int, str]] | None = None) -> None:
+        """`max_counts`: top-level field -> (most items, what an item is called): a body over
+        one is refused here, before it is validated item by item (which costs ~4 us an item
+        on the event loop: half a second for a 4 MiB list of tiny messages)."""
         self.app = app
         self.max_bytes = max_bytes
         self.max_json_depth = max_json_depth
+        self.max_counts = max_counts or {}
 
     def _too_large(self, size: int) -> OpenAIError:
         return OpenAIError(413, f"The request body is too large: {size} bytes exceeds the limit of "
@@ -92,7 +97,7 @@ class BodyLimitMiddleware:
                 break
         body = b"".join(chunks)
         if body and _is_json(scope):
-            error = json_body_error(body, self.max_json_depth)
+            error = json_body_error(body, self.max_json_depth, self.max_counts)
             if error is not None:
                 return await _send_error(send, error)
         replayed = False
@@ -136,7 +141,8 @@ def _parse(body: bytes):
             gc.enable()
 
 
-def json_body_error(body: bytes, max_depth: int) -> OpenAIError | None:
+def json_body_error(body: bytes, max_depth: int,
+                    max_counts: dict[str, tuple[int, str]] | None = None) -> OpenAIError | None:
     """A 400 for a JSON body that Python's parser rejects with something other than a syntax
     error (FastAPI answers those itself, with their position) or lets through although it is not
     valid JSON for us: NaN / Infinity literals, nesting too deep for the parser or over
@@ -158,6 +164,10 @@ def json_body_error(body: bytes, max_depth: int) -> OpenAIError | None:
     except ValueError:  # int() of over 4300 digits (sys.int_info.default_max_str_digits)
         return bad_request("Malformed JSON in the request body: an integer has too many digits.")
     fields = value.items() if isinstance(value, dict) else [(None, value)]
+    for key, (limit, items) in (max_counts or {}).items():
+        given = value.get(key) if isinstance(value, dict) else None
+        if isinstance(given, (list, dict)) and len(given) > limit:
+            return bad_request(f"{key} may hold at most {limit} {items}, got {len(given)}.", param=key)
     for key, field in fields:
         try:
             check_json_value(key, 0)

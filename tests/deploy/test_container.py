@@ -1,7 +1,7 @@
 """Build the CPU image with podman and serve one completion from it (opt-in: -m container).
 
-Follows ../shared/DESIGN.md: `bash ../shared/container/prepare.sh` sets up rootful podman and
-the local `python:3.11-slim` stand-in, then the image builds with no pull and runs on loopback.
+Needs rootful podman (and podman-compose for the compose tests) and a local `python:3.11-slim`
+image; the image then builds with no pull and runs on loopback.
 Slow (minutes: the first build downloads the Python dependencies): run it on its own,
     python -m pytest -m container tests/deploy -q
 Where a CPU torch wheel lies in $PAGED_SERVE_TORCH_WHEELS (default /opt/wheels), the build
@@ -130,7 +130,7 @@ def test_compose_brings_the_daemon_up_healthy(image):
     compose health check (the one that gates Prometheus and Grafana) reports healthy. The
     Prometheus and Grafana images cannot be pulled here; their configs are checked by parsing."""
     if shutil.which("podman-compose") is None:
-        pytest.skip("no podman-compose (../shared/container/prepare.sh installs it)")
+        pytest.skip("no podman-compose (pip install podman-compose)")
     project = f"paged-serve-test-{uuid.uuid4().hex[:8]}"
     port = free_port()
     env = {**os.environ, "PAGED_SERVE_HOST_PORT": str(port),
@@ -191,7 +191,7 @@ def replica_requests(name: str) -> float:
 def test_replicas_answer_through_the_balancer(image):
     """docker-compose.replicas.yml: two daemons behind nginx; requests reach both."""
     if shutil.which("podman-compose") is None:
-        pytest.skip("no podman-compose (../shared/container/prepare.sh installs it)")
+        pytest.skip("no podman-compose (pip install podman-compose)")
     project = f"paged-serve-test-{uuid.uuid4().hex[:8]}"
     port = free_port()
     env = {**os.environ, "PAGED_SERVE_HOST_PORT": str(port),
