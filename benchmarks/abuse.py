@@ -133,8 +133,8 @@ def cases() -> dict[str, tuple[str, str, object]]:
         "40k_tools": ("sizes", "/v1/chat/completions", {**chat, "tools": [
             {**tool, "function": {**tool["function"], "name": f"tool_{i}"}} for i in range(40_000)]}),
         "3MB_prompt": ("sizes", "/v1/completions", {**comp, "prompt": "hello world " * 250_000}),
-        "100k_stop_token_ids": ("sizes", "/v1/completions", {**comp, "max_tokens": 30,
-                                                             "stop_token_ids": list(range(1000, 101_000))}),
+        "40k_stop_token_ids": ("sizes", "/v1/completions", {**comp, "max_tokens": 30,
+                                                            "stop_token_ids": list(range(100, 40_100))}),
         "10k_char_stop_string": ("sizes", "/v1/completions", {**comp, "max_tokens": 30, "stop": ["ab" * 5000]}),
         "slow_regex": ("sizes", "/v1/completions", {**comp, "guided_regex": "(a{1000}){1000}"}),
         "deep_nesting": ("sizes", "/v1/completions", b'{"model": "' + MODEL.encode() + b'", "prompt": "Hi", "x": '

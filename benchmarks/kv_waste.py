@@ -226,7 +226,7 @@ class _KVSampler:
                 self.unwritten += held - min(held, len(seq))  # this step writes up to len(seq)
         self.steps += 1
         self.running.append(running)
-        self.used_blocks.append(bm.gpu.num_blocks - bm.gpu.num_free)
+        self.used_blocks.append(bm.device.num_blocks - bm.device.num_free)
 
 
 def _latency_summary(values_s: list[float]) -> dict[str, float]:
@@ -284,7 +284,7 @@ def measure_engine(args, kv_allocation: str, lengths: list[int], max_tokens: int
              for m in metrics if m.num_generation_tokens > 1]
     return EngineWasteResult(
         kv_allocation=kv_allocation,
-        num_kv_blocks=bm.gpu.num_blocks,
+        num_kv_blocks=bm.device.num_blocks,
         block_size=bm.block_size,
         num_requests=len(work),
         num_steps=sampler.steps,
@@ -292,7 +292,7 @@ def measure_engine(args, kv_allocation: str, lengths: list[int], max_tokens: int
         mean_running_seqs=statistics.fmean(sampler.running),
         time_avg_waste=sampler.never_written / sampler.held,
         time_avg_unwritten=sampler.unwritten / sampler.held,
-        peak_kv_usage=max(sampler.used_blocks) / bm.gpu.num_blocks,
+        peak_kv_usage=max(sampler.used_blocks) / bm.device.num_blocks,
         num_preemptions=sum(engine.scheduler.num_preemptions.values()),
         wall_s=wall,
         request_throughput=len(work) / wall,

@@ -90,7 +90,7 @@ class PoolObserver:
     def _observe(self):
         out = self._schedule()
         bm = self.engine.block_manager
-        shared = bm.usage()["gpu_used"]
+        shared = bm.usage()["device_used"]
         private = sum(len(t) for t in bm.tables.values())
         if private:
             self.steps.append((shared, private))
@@ -256,7 +256,7 @@ def run_prefix_once(args, prompts: list[list[int]], caching: bool) -> tuple[dict
         "prompt_tokens_from_cache": sum(o.num_cached_tokens for o in done.values()),
         "prefix_cache_queries_total": stats.prefix_cache_queries_total,
         "prefix_cache_hits_total": stats.prefix_cache_hits_total,
-        "num_gpu_blocks": stats.num_gpu_blocks,
+        "num_gpu_blocks": stats.num_device_blocks,
         "peak_kv_cache_usage": peak_usage,  # after a step, fraction of device blocks in use
         "num_preemptions": dict(stats.num_preemptions_total),
     }

@@ -2,7 +2,7 @@
 
 One background thread owns the `LLMEngine`: it loads it, then loops
 
-    run queued commands (add / abort / call)  ->  engine.step()  ->  publish outputs
+    run queued commands (add / abort / block map)  ->  engine.step()  ->  publish outputs
 
 so a forward pass never blocks the asyncio event loop. Everything else talks to that thread
 through a command queue; results come back to the event loop with `call_soon_threadsafe`, once
@@ -32,8 +32,9 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
+from engine.engine_core import EngineCore
 from engine.metrics import EngineStats
 from engine.outputs import OutputKind, RequestOutput
 from engine.request_stream import (
@@ -51,9 +52,6 @@ from engine.watchdog import StepWatchdog
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# A prompt, or a function run on the engine thread that makes one (e.g. applying a chat
-# template), so that every use of the tokenizer stays on the thread that owns the engine.
-PromptLike = Union[str, list[int], Callable[[Any], Union[str, list[int]]]]
 
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
 _IDLE_WAIT_S = 1.0  # the loop also wakes on every command; this only bounds a missed wake-up
@@ -73,9 +71,9 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine_factory: Callable[[], Any],
+        engine_factory: Callable[[], EngineCore],
         *,
-        on_ready: Callable[[Any], None] | None = None,
+        on_ready: Callable[[EngineCore], None] | None = None,
         on_stats: Callable[[EngineStats], None] | None = None,
         max_queued_requests: int | None = None,
         stall_timeout: float | None = 120.0,
@@ -92,7 +90,7 @@ class AsyncEngine:
         self.state = EngineState.LOADING
         self.dead_reason: str | None = None  # what killed it, for the log (may hold exception text)
         self.public_dead_reason: str | None = None  # what clients and /health are told
-        self.engine: Any = None  # set once loaded; only the engine thread may call into it
+        self.engine: EngineCore | None = None  # set once loaded; only the engine thread may call into it
         self.last_stats: EngineStats | None = None
         self.load_seconds: float | None = None
 
@@ -181,10 +179,12 @@ class AsyncEngine:
         if self.state is EngineState.LOADING:
             raise EngineNotReadyError("The model is still loading; try again shortly.")
 
-    async def add_request(self, request_id: str, prompt: PromptLike, params: SamplingParams, *,
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                           checked: bool = False, output_kind: OutputKind = OutputKind.CUMULATIVE,
                           prompt_text: str | None = None, grammar: Any = None) -> RequestStream:
-        """Add a request and return its output stream once the engine has accepted it.
+        """Add a request (token ids: the server's input processor tokenized it) and return its
+        output stream once the engine has accepted it. `prompt_text`, `grammar`, `output_kind`:
+        as `EngineCore.add_request` takes them.
 
         Raises the engine's `ValueError` for bad input (nothing is left behind), or the
         errors of `check_accepting`. The caller must read the stream to its end or `abort()`.
@@ -202,9 +202,8 @@ class AsyncEngine:
         arrival = time.monotonic()
 
         def add() -> None:
-            resolved = prompt(self.engine) if callable(prompt) else prompt
-            self.engine.add_request(request_id, resolved, params, arrival_time=arrival, output_kind=output_kind,
-                                    prompt_text=prompt_text, grammar=grammar)
+            self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival,
+                                    output_kind=output_kind, prompt_text=prompt_text, grammar=grammar)
             self._live.add(request_id)
 
         try:
@@ -224,10 +223,10 @@ class AsyncEngine:
             self._unstarted.add(request_id)
         return stream
 
-    async def generate(self, request_id: str, prompt: PromptLike, params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       **kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs; closing or cancelling the iterator aborts it."""
-        stream = await self.add_request(request_id, prompt, params)
+        stream = await self.add_request(request_id, prompt_token_ids, params, **kwargs)
         try:
             async for output in stream:
                 yield output
@@ -261,11 +260,16 @@ class AsyncEngine:
             self.abort(request_id)
         return len(ids)
 
-    async def call(self, fn: Callable[[Any], T]) -> T:
-        """Run `fn(engine)` on the engine thread between two steps and return its result."""
+    async def block_map(self) -> dict:
+        """The engine's block map (`EngineCore.block_map`), built on the engine thread between
+        two steps; EngineDeadError / EngineNotReadyError when it cannot run."""
+        return await self._call(lambda: self.engine.block_map())
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        """Run `fn()` on the engine thread between two steps and return its result."""
         if self.state is not EngineState.READY:
             self.check_accepting(0)
-        return await asyncio.wrap_future(self._submit(lambda: fn(self.engine), want_result=True))
+        return await asyncio.wrap_future(self._submit(fn, want_result=True))
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -343,7 +347,7 @@ class AsyncEngine:
             self.engine = self._factory()
             if self.on_ready is not None:
                 self.on_ready(self.engine)
-            self.last_stats = getattr(self.engine, "last_stats", None)
+            self.last_stats = self.engine.last_stats
         except BaseException as exc:  # noqa: BLE001 - reported, the server stays up to say so
             logger.exception("The engine failed to load")
             self._die(f"The engine failed to load: {exc!r}",
@@ -361,10 +365,9 @@ class AsyncEngine:
             logger.exception("The engine loop died")
             self._die(f"The engine loop died: {exc!r}", "The engine loop died; the server log has the details.")
         finally:
-            stop = getattr(self.engine, "shutdown", None)
-            if stop is not None:
+            if self.engine is not None:
                 try:
-                    stop()  # tensor-parallel workers get a clean stop message
+                    self.engine.shutdown()  # tensor-parallel workers get a clean stop message
                 except Exception:  # noqa: BLE001 - already shutting down
                     logger.exception("engine shutdown failed")
 
@@ -385,9 +388,7 @@ class AsyncEngine:
             if not self.engine.has_unfinished_requests():
                 if self._stats_stale:
                     self._refresh_idle_stats()
-                check = getattr(self.engine, "check_health", None)
-                if check is not None:
-                    check()  # a dead tensor-parallel worker ends the loop even while idle
+                self.engine.check_health()  # a dead tensor-parallel worker ends the loop even while idle
                 self.watchdog.idle()
                 self._wakeup.wait(_IDLE_WAIT_S)
                 continue
@@ -402,7 +403,7 @@ class AsyncEngine:
                 continue
             failures = 0
             self._publish(outputs)
-            if getattr(self.engine, "last_step_empty", False):
+            if self.engine.last_step_empty:
                 # NOTE: work is pending but nothing could run (not expected: the scheduler always
                 # runs the oldest request). Back off instead of spinning; the watchdog sees no
                 # progress and /health says so.
@@ -438,14 +439,14 @@ class AsyncEngine:
             if output.finished:
                 self._live.discard(output.request_id)
         # NOTE: a request that outputs only when done (FINAL_ONLY) leaves the queue when first scheduled.
-        started = list(getattr(self.engine, "newly_scheduled", ()))
+        started = list(self.engine.newly_scheduled)
         if outputs or started:
             self._to_loop(self._dispatch, outputs, started)
         self._observe()
 
     def _observe(self) -> None:
         self._stats_stale = False
-        stats = getattr(self.engine, "last_stats", None)
+        stats = self.engine.last_stats
         self.last_stats = stats
         if stats is not None and self.on_stats is not None:
             try:

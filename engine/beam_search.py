@@ -33,43 +33,42 @@ hypotheses by score, index 0 the best.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.outputs import CompletionOutput, Logprob, SampleLogprobs
-from engine.sampler import score_tokens
+from engine.beam_state import BeamState, Hypothesis
+from engine.outputs import Logprob
+from engine.sampler import SampleResult, score_tokens
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.tokenizer import IncrementalDetokenizer
-
-
-@dataclass
-class Hypothesis:
-    """A finished beam: its tokens are all the request will keep of it (its blocks are freed)."""
-
-    token_ids: list[int]
-    cumulative_logprob: float  # the beam score: sum of the beam log-probabilities
-    score: float  # cumulative_logprob / len(token_ids) ** length_penalty
-    finish_reason: str  # "stop" (EOS or a stop token id) or "length"
-    stop_reason: int | None  # the stop token id that ended it, None for EOS or length
-    logprobs: SampleLogprobs | None
-    text: str | None = None  # decoded once, when first reported
-
-
-@dataclass
-class BeamState:
-    """What a beam-search request keeps between steps, stored on its SequenceGroup."""
-
-    width: int  # k: params.best_of
-    hypotheses: list[Hypothesis] = field(default_factory=list)  # best first, at most k
-    done: bool = False
 
 
 def _state(group: SequenceGroup) -> BeamState:
-    state = getattr(group, "beam_state", None)
-    if state is None:
-        state = group.beam_state = BeamState(width=group.params.best_of)
-    return state
+    if group.beam_state is None:
+        group.beam_state = BeamState(width=group.params.best_of)
+    return group.beam_state
+
+
+@dataclass
+class BeamDecision:
+    """What one step decided, for the engine to apply to the KV blocks (the scheduler's
+    `update_from_output`): beams forked (they share their parent's blocks) and beams dropped
+    (their blocks are freed). The beams' tokens and the request's state are already updated."""
+
+    num_new_tokens: int = 0  # tokens appended to beams or hypotheses
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child)
+    dropped: list[Sequence] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BeamContext:
+    """What a beam step needs from the engine, passed in rather than reached for."""
+
+    # (raw rows, request, its beams) -> float32 logits after logit bias, masks and penalties
+    adjusted_logits: Callable[[torch.Tensor, SequenceGroup, list[Sequence]], torch.Tensor]
+    logprob_entry: Callable[[SampleResult], dict[int, Logprob]]  # a scored token -> its logprobs entry
+    eos_token_id: int | None
 
 
 @dataclass
@@ -80,15 +79,16 @@ class _Candidate:
     score: float  # the parent's beam score plus this token's log-probability (float32)
 
 
-def beam_search_step(engine, group: SequenceGroup, seq_rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> int:
+def beam_search_step(ctx: BeamContext, group: SequenceGroup, seq_rows: list[tuple[Sequence, int]],
+                     logits: torch.Tensor) -> BeamDecision:
     """One beam-search step for one request: choose the next beams and hypotheses from this
-    step's logits and apply the choice to `group.seqs` and the block manager.
+    step's logits and apply the choice to the request's sequences.
 
     `seq_rows` are the request's running beams with their row in `logits` ([scheduled, vocab]
-    float32). Mutates: beams' tokens and scores; forks children (sharing blocks copy-on-write)
-    and appends them to `group.seqs`; frees and removes beams that were not chosen; when the
-    search is done, marks the remaining beams finished (the scheduler frees their blocks).
-    Returns the number of tokens appended to beams or hypotheses this step.
+    float32). Mutates: beams' tokens and scores; forks children (copies of their parent) into
+    `group.seqs`; removes beams that were not chosen; when the search is done, marks the
+    remaining beams finished. Touches no blocks: the returned decision says which beams forked
+    and which were dropped.
     """
     state = _state(group)
     p = group.params
@@ -100,27 +100,27 @@ def beam_search_step(engine, group: SequenceGroup, seq_rows: list[tuple[Sequence
     seqs = [seq for seq, _ in seq_rows]
     rows = torch.tensor([row for _, row in seq_rows], dtype=torch.long, device=logits.device)
     raw = logits.index_select(0, rows)
-    adjusted = engine.sampler.adjusted_logits(raw, [engine._row(seq, group) for seq in seqs])
+    adjusted = ctx.adjusted_logits(raw, group, seqs)
     beam_scores = torch.tensor([seq.cumulative_logprob for seq in seqs], dtype=torch.float32, device=logits.device)
     scores = torch.log_softmax(adjusted, dim=-1) + beam_scores[:, None]
     # NOTE: torch.topk ranks NaN above everything; a row of -inf logits gives NaN.
     scores.masked_fill_(scores.isnan(), float("-inf"))
 
     stop_ids = set(p.stop_token_ids)
-    if engine.eos_token_id is not None and not p.ignore_eos:
-        stop_ids.add(engine.eos_token_id)
+    if ctx.eos_token_id is not None and not p.ignore_eos:
+        stop_ids.add(ctx.eos_token_id)
     candidates = [_Candidate(seqs[r], r, t, v) for r, t, v in select_candidates(scores, stop_ids, k)]
 
     next_beams: list[_Candidate] = []
-    num_new = 0
+    decision = BeamDecision()
     for rank, c in enumerate(candidates):
         n_out = len(c.parent.output_token_ids) + 1
         is_stop = c.token_id in stop_ids
         if is_stop or n_out >= group.max_tokens:
             # NOTE: HF only lets the best k candidates finish; the rest are a reserve of beams.
             if rank < k:
-                _add_hypothesis(engine, state, group, c, raw, is_stop)
-                num_new += 1
+                _add_hypothesis(ctx, state, group, c, raw, is_stop)
+                decision.num_new_tokens += 1
         elif len(next_beams) < k:
             next_beams.append(c)
 
@@ -130,9 +130,10 @@ def beam_search_step(engine, group: SequenceGroup, seq_rows: list[tuple[Sequence
         status = SequenceStatus.FINISHED_STOPPED if best.finish_reason == "stop" else SequenceStatus.FINISHED_LENGTH
         for seq in seqs:
             seq.status = status
-        return num_new
-    _apply(engine, group, seqs, next_beams, raw)
-    return num_new + len(next_beams)
+        return decision
+    _apply(ctx, group, seqs, next_beams, raw, decision)
+    decision.num_new_tokens += len(next_beams)
+    return decision
 
 
 def _search_done(state: BeamState, group: SequenceGroup, next_beams: list[_Candidate]) -> bool:
@@ -197,19 +198,19 @@ def _normalized(score: float, length: int, length_penalty: float) -> float:
 
 
 def _add_hypothesis(
-    engine, state: BeamState, group: SequenceGroup, c: _Candidate, raw: torch.Tensor, is_stop: bool
+    ctx: BeamContext, state: BeamState, group: SequenceGroup, c: _Candidate, raw: torch.Tensor, is_stop: bool
 ) -> None:
     p = group.params
     token_ids = c.parent.output_token_ids + [c.token_id]
     logprobs = None
     if p.logprobs is not None:
-        logprobs = list(c.parent.output_logprobs) + [_logprob_entry(engine, raw[c.row], c.token_id, p.logprobs)]
+        logprobs = list(c.parent.output_logprobs) + [_logprob_entry(ctx, raw[c.row], c.token_id, p.logprobs)]
     hyp = Hypothesis(
         token_ids=token_ids,
         cumulative_logprob=c.score,
         score=_normalized(c.score, len(token_ids), p.length_penalty),
         finish_reason="stop" if is_stop else "length",
-        stop_reason=c.token_id if is_stop and c.token_id != engine.eos_token_id else None,
+        stop_reason=c.token_id if is_stop and c.token_id != ctx.eos_token_id else None,
         logprobs=logprobs,
     )
     hyps = state.hypotheses
@@ -219,10 +220,11 @@ def _add_hypothesis(
     del hyps[state.width :]
 
 
-def _apply(engine, group: SequenceGroup, seqs: list[Sequence], next_beams: list[_Candidate], raw: torch.Tensor) -> None:
+def _apply(ctx: BeamContext, group: SequenceGroup, seqs: list[Sequence], next_beams: list[_Candidate],
+           raw: torch.Tensor, decision: BeamDecision) -> None:
     """Turn the chosen candidates into the request's beams: a parent's first child continues
-    the parent's own Sequence; further children fork it (sharing its blocks); parents with no
-    child are freed and leave the request."""
+    the parent's own Sequence; further children fork it (`decision.forks`: they will share its
+    blocks); parents with no child leave the request (`decision.dropped`)."""
     p = group.params
     taken: set[int] = set()
     growing: list[tuple[Sequence, _Candidate]] = []
@@ -233,63 +235,23 @@ def _apply(engine, group: SequenceGroup, seqs: list[Sequence], next_beams: list[
             growing.append((c.parent, c))
             continue
         child = c.parent.fork(c.parent.index, None)
-        engine.block_manager.fork(c.parent, child)
+        decision.forks.append((c.parent, child))
         group.seqs.append(child)
         growing.append((child, c))
     for seq, c in growing:
         seq.output_token_ids.append(c.token_id)
         seq.cumulative_logprob = c.score
         if p.logprobs is not None:
-            seq.output_logprobs.append(_logprob_entry(engine, raw[c.row], c.token_id, p.logprobs))
+            seq.output_logprobs.append(_logprob_entry(ctx, raw[c.row], c.token_id, p.logprobs))
     for seq in seqs:
         if seq.seq_id not in taken:
-            engine.block_manager.free(seq)
+            decision.dropped.append(seq)
             group.seqs.remove(seq)
     for i, (seq, _) in enumerate(growing):
         seq.index = i
 
 
-def _logprob_entry(engine, raw_row: torch.Tensor, token_id: int, num_top: int) -> dict[int, Logprob]:
+def _logprob_entry(ctx: BeamContext, raw_row: torch.Tensor, token_id: int, num_top: int) -> dict[int, Logprob]:
     """The same per-token entry as sampling gives: the raw model's logprob and rank of the
     token, then its `num_top` best alternatives."""
-    return engine.output_processor.logprob_entry(score_tokens(raw_row[None, :], [token_id], num_top)[0])
-
-
-def beam_search_outputs(tokenizer, group: SequenceGroup) -> list[CompletionOutput]:
-    """No choices while the search runs (or when it failed or was aborted); once done, the n
-    best hypotheses by score, index 0 the best."""
-    state = getattr(group, "beam_state", None)
-    if state is None or not state.done:
-        return []
-    p = group.params
-    outs = []
-    for i, hyp in enumerate(state.hypotheses[: p.n]):
-        if hyp.text is None:
-            hyp.text = _decode(tokenizer, group, hyp.token_ids)
-        outs.append(
-            CompletionOutput(
-                index=i,
-                text=hyp.text,
-                token_ids=list(hyp.token_ids),
-                cumulative_logprob=hyp.cumulative_logprob,
-                logprobs=list(hyp.logprobs) if hyp.logprobs is not None else None,
-                finish_reason=hyp.finish_reason,
-                stop_reason=hyp.stop_reason,
-            )
-        )
-    return outs
-
-
-def _decode(tokenizer, group: SequenceGroup, token_ids: list[int]) -> str:
-    """The hypothesis's text exactly as a streamed sequence would have it ("" without a tokenizer)."""
-    if tokenizer is None:
-        return ""
-    p = group.params
-    detok = IncrementalDetokenizer(
-        tokenizer,
-        group.prompt_token_ids,
-        skip_special_tokens=p.skip_special_tokens,
-        spaces_between_special_tokens=p.spaces_between_special_tokens,
-    )
-    text = "".join(detok.step(t) for t in token_ids)
-    return text + detok.flush()
+    return ctx.logprob_entry(score_tokens(raw_row[None, :], [token_id], num_top)[0])

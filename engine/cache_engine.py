@@ -28,33 +28,33 @@ def num_blocks_from_budget(
     """(device blocks, CPU swap blocks) that the memory budget allows."""
     per_block = bytes_per_block(model, cache.block_size, tp_size)
     if cache.num_gpu_blocks_override is not None:
-        num_gpu = cache.num_gpu_blocks_override
+        num_device = cache.num_gpu_blocks_override
     elif device.type == "cuda":
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         used_by_others = total - free
         budget = total * cache.gpu_memory_utilization - used_by_others - 512 * 1024**2  # activations
-        num_gpu = int(budget // per_block)
+        num_device = int(budget // per_block)
     else:
-        num_gpu = int((cache.kv_cache_memory or 1024**3) // per_block)
+        num_device = int((cache.kv_cache_memory or 1024**3) // per_block)
     num_cpu = int(cache.swap_space // per_block)
-    if num_gpu < 1:
+    if num_device < 1:
         raise ValueError("the KV cache memory budget is too small for a single block")
-    return num_gpu, num_cpu
+    return num_device, num_cpu
 
 
 class CacheEngine:
-    def __init__(self, model: ModelConfig, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+    def __init__(self, model: ModelConfig, block_size: int, num_device_blocks: int, num_cpu_blocks: int,
                  device: torch.device, tp_size: int = 1):
         self.block_size = block_size
         self.device = device
         shape = (model.num_kv_heads // tp_size, block_size, model.head_size)
         L = model.num_layers
         # One allocation per pool; per-layer K and V are contiguous views of it.
-        self.gpu_kv = torch.zeros((2, L, num_gpu_blocks) + shape, dtype=model.dtype, device=device)
+        self.device_kv = torch.zeros((2, L, num_device_blocks) + shape, dtype=model.dtype, device=device)
         pin = device.type == "cuda"
         self.cpu_kv = torch.zeros((2, L, max(num_cpu_blocks, 0)) + shape, dtype=model.dtype, pin_memory=pin)
-        self.kv_caches = [(self.gpu_kv[0, i], self.gpu_kv[1, i]) for i in range(L)]
+        self.kv_caches = [(self.device_kv[0, i], self.device_kv[1, i]) for i in range(L)]
         self.cpu_caches = [(self.cpu_kv[0, i], self.cpu_kv[1, i]) for i in range(L)]
         self.bytes_per_block = bytes_per_block(model, block_size, tp_size)
 

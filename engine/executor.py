@@ -55,7 +55,7 @@ class Executor(abc.ABC):
         """(device blocks, CPU swap blocks) that every rank's budget allows for its KV heads."""
 
     @abc.abstractmethod
-    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> CacheEngine:
         """Allocate the KV pools on every rank; returns the driver's (for its sizes)."""
 
     @abc.abstractmethod
@@ -87,8 +87,8 @@ class LocalExecutor(Executor):
     def num_blocks(self) -> tuple[int, int]:
         return self.runner.num_blocks(self.config.cache)
 
-    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:
-        return self.runner.init_cache(num_gpu_blocks, num_cpu_blocks)
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> CacheEngine:
+        return self.runner.init_cache(num_device_blocks, num_cpu_blocks)
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
@@ -189,8 +189,8 @@ class MultiProcessExecutor(Executor):
     def num_blocks(self) -> tuple[int, int]:
         return self._call("num_blocks", self.config.cache)
 
-    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:
-        return self._call("init_cache", num_gpu_blocks, num_cpu_blocks)
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> CacheEngine:
+        return self._call("init_cache", num_device_blocks, num_cpu_blocks)
 
     def execute(self, step: StepInput) -> StepOutput:
         if not (step.seqs or step.blocks_to_swap_in or step.blocks_to_swap_out or step.blocks_to_copy):

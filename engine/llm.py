@@ -41,7 +41,12 @@ class LLM:
         ids = []
         for prompt, p in zip(prompts, params):
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, p, output_kind=OutputKind.FINAL_ONLY)
+            text = prompt if isinstance(prompt, str) else None
+            if text is not None:
+                if self.tokenizer is None:
+                    raise ValueError("this model has no tokenizer (dummy weights): give token ids")
+                prompt = self.tokenizer(text).input_ids
+            self.engine.add_request(rid, prompt, p, output_kind=OutputKind.FINAL_ONLY, prompt_text=text)
             ids.append(rid)
         return self._run(ids)
 

@@ -19,8 +19,8 @@ class EngineStats:
     num_running: int = 0  # requests in the running batch
     num_waiting: int = 0
     num_swapped: int = 0
-    num_gpu_blocks: int = 0  # device pool size (the "GPU" pool is the CPU tensor pool on CPU serving)
-    num_free_gpu_blocks: int = 0
+    num_device_blocks: int = 0  # device pool size (the KV pool where attention reads; CPU memory on CPU serving)
+    num_free_device_blocks: int = 0
     num_cpu_blocks: int = 0  # swap pool size
     num_free_cpu_blocks: int = 0
     kv_cache_usage: float = 0.0  # used / total device blocks, 0..1

@@ -11,6 +11,8 @@ KV heads; the layers communicate (engine/models/layers.py).
 
 from __future__ import annotations
 
+from array import array
+
 import logging
 import time
 from collections.abc import Collection
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import parallel
-from engine.attention import AttentionMetadata, PrefillSpan
+from engine.attention_backend import TorchPagedBackend
 from engine.cache_engine import CacheEngine, num_blocks_from_budget
 from engine.config import CacheConfig, ModelConfig
 from engine.models.layers import (
@@ -76,9 +78,11 @@ class StepInput:
         seqs = []
         for i, s in enumerate(out.scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
-            ids = seq.token_ids[start : start + s.num_tokens] if s.is_prefill else [seq.last_token_id]
+            ids = seq.tokens(start, start + s.num_tokens) if s.is_prefill else [seq.last_token_id]
             k = s.group.params.prompt_logprobs if s.is_prefill and i in prompt_logprobs else None
-            seqs.append(SeqInput(ids, start, list(s.block_table), s.is_prefill, k))
+            # NOTE: the block table is the block manager's live list, not a copy: it is read
+            # before the block manager changes again (pickled for tensor-parallel workers).
+            seqs.append(SeqInput(ids, start, s.block_table, s.is_prefill, k))
         return cls(seqs, list(out.blocks_to_swap_in), list(out.blocks_to_swap_out), list(out.blocks_to_copy),
                    PROMPT_LOGPROB_CHUNK_ROWS)
 
@@ -126,15 +130,16 @@ class ModelRunner:
             time.perf_counter() - t0,
         )
         self.cache: CacheEngine | None = None
+        self.attn_backend = TorchPagedBackend(block_size, device)
 
     def num_blocks(self, cache_config: CacheConfig) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) that this rank's memory budget allows for its KV heads."""
         return num_blocks_from_budget(self.config, cache_config, self.device, self.weights_bytes, self.tp_size)
 
-    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> CacheEngine:
         """Allocate this rank's KV pools (once, at start-up)."""
         self.cache = CacheEngine(
-            self.config, self.block_size, num_gpu_blocks, num_cpu_blocks, self.device, self.tp_size
+            self.config, self.block_size, num_device_blocks, num_cpu_blocks, self.device, self.tp_size
         )
         return self.cache
 
@@ -181,53 +186,29 @@ class ModelRunner:
         return out
 
     def _prepare(self, step: StepInput):
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        prefills: list[PrefillSpan] = []
-        last_rows: list[int] = []
-        extra_rows: list[int] = []  # the other computed tokens of sequences with prompt_logprobs
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+        """The step's model inputs (token ids, positions), its attention metadata (the
+        backend's), the rows whose logits are wanted, and the prompt-logprob rows."""
+        ids = array("q")
+        pos = array("q")
+        last_rows = array("q")
+        extra_rows = array("q")  # the other computed tokens of sequences with prompt_logprobs
         for s in step.seqs:
-            table, start = s.block_table, s.start
-            end = start + len(s.token_ids)
-            row0 = len(ids)
+            row0, n = len(ids), len(s.token_ids)
             ids.extend(s.token_ids)
-            positions = range(start, end)
-            pos.extend(positions)
-            slots.extend(table[p // bs] * bs + p % bs for p in positions)
-            last_rows.append(len(ids) - 1)
+            pos.extend(range(s.start, s.start + n))
+            last_rows.append(row0 + n - 1)
             if s.prompt_logprobs is not None:
-                extra_rows.extend(range(row0, len(ids) - 1))
-            if s.is_prefill:
-                bt = torch.tensor(table, dtype=torch.int64, device=self.device) if start else None
-                prefills.append(PrefillSpan(row0, len(ids), start, bt))
-            else:
-                decode_tables.append(table)
-                decode_lens.append(end)
+                extra_rows.extend(range(row0, row0 + n - 1))
+        meta = self.attn_backend.build_metadata(step.seqs)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            prefills=prefills,
-            num_prefill_tokens=prefills[-1].end if prefills else 0,
-            decode_block_tables=None,
-            decode_context_lens=None,
-            max_decode_context_len=max(decode_lens, default=0),
-        )
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            meta.decode_block_tables = torch.tensor(padded, dtype=torch.int32, device=dev)
-            meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.int32, device=dev)
-        return (
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(pos, dtype=torch.int64, device=dev),
-            meta,
-            torch.tensor(last_rows, dtype=torch.int64, device=dev),
-            torch.tensor(extra_rows, dtype=torch.int64, device=dev),
-        )
+        return _tensor(ids, dev), _tensor(pos, dev), meta, _tensor(last_rows, dev), _tensor(extra_rows, dev)
+
+
+def _tensor(values: array, device: torch.device) -> torch.Tensor:
+    """An int64 tensor of an array('q'), with no per-element Python work."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return torch.frombuffer(values, dtype=torch.int64).to(device, copy=True)
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ the new text and tokens; stop strings advance a matcher over the new text).
 
 from __future__ import annotations
 
-from engine.beam_search import beam_search_outputs
+from engine.beam_state import beam_search_outputs
 from engine.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
 from engine.sampler import SampleResult
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus

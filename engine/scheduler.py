@@ -59,7 +59,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain
 
-from engine.block_manager import AllocStatus, BlockManager
+from engine.block_manager import AdmissionPlan, AllocStatus, BlockManager
 from engine.config import SchedulerConfig
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -120,9 +120,28 @@ class Scheduler:
         for seq in group.seqs:
             self.block_manager.free(seq)
 
+    def update_from_output(self, out: SchedulerOutput, forks: Iterable[tuple[Sequence, Sequence]] = (),
+                           dropped: Iterable[Sequence] = ()) -> list[SequenceGroup]:
+        """The step's bookkeeping once the model has run `out` and the engine has applied its
+        samples: every scheduled sequence's computed tokens advance and its newly full blocks
+        join the prefix cache; `forks` (parent, child: new samples, new beams) share their
+        parent's blocks; `dropped` beams and finished sequences free theirs. Returns the
+        requests that finished (they leave `running`). The only post-step caller of the block
+        manager."""
+        bm = self.block_manager
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_tokens
+            bm.register_full_blocks(s.seq, s.group.params.cache_salt)
+        for parent, child in forks:
+            child.num_computed_tokens = parent.num_computed_tokens
+            bm.fork(parent, child)
+        for seq in dropped:
+            bm.free(seq)
+        return self.free_finished()
+
     def free_finished(self) -> list[SequenceGroup]:
-        """Free the blocks of finished sequences and drop finished requests from `running`;
-        called by the engine after it has applied the step's samples. Returns the finished."""
+        """Free the blocks of finished sequences and drop finished requests from `running`
+        (`update_from_output` does it after each step). Returns the finished."""
         done = []
         for group in list(self.running):
             for seq in group.seqs:
@@ -198,7 +217,7 @@ class Scheduler:
         preempted = False
         while True:
             seqs = self._running_seqs()
-            if len(seqs) <= self.config.max_num_seqs and bm.num_append_blocks(seqs) <= bm.num_free_gpu_blocks:
+            if len(seqs) <= self.config.max_num_seqs and bm.num_append_blocks(seqs) <= bm.num_free_device_blocks:
                 return preempted
             if self._park_lowest_extra(step):
                 continue
@@ -292,7 +311,7 @@ class Scheduler:
                 return False
             if swapped:  # each swapped sequence decodes a token (or computes a chunk) at once
                 return bm.can_swap_in(group) and (preempt or step.tokens >= len(needed))
-            fits_pool = bm.can_allocate(group, needed) is AllocStatus.OK
+            fits_pool = bm.plan(group, needed).status is AllocStatus.OK
             return fits_pool and (preempt or self._prefill_fits(group, needed, step))
 
         while not fits():
@@ -300,7 +319,7 @@ class Scheduler:
                 continue
             victim = self._pick_victim([g for g in self.running if g.priority > group.priority]) if preempt else None
             if victim is None:
-                if group in self.waiting and bm.can_allocate(group, needed) is AllocStatus.NEVER:
+                if group in self.waiting and bm.plan(group, needed).status is AllocStatus.NEVER:
                     self._drop(group, "The request needs more KV blocks than the whole cache holds.")
                 return False
             self.running.remove(victim)
@@ -309,7 +328,7 @@ class Scheduler:
             self.swapped.remove(group)
             self._swap_in(group, step)
         else:
-            self._allocate(group, self._largest_fitting(group, seqs, len(needed), step, preempt), step, preempt)
+            self._allocate(group, self._largest_fitting(group, seqs, len(needed), step, preempt), preempt)
         if group not in self.running:
             if group in self.waiting:
                 self.waiting.remove(group)
@@ -319,49 +338,47 @@ class Scheduler:
         return True
 
     def _largest_fitting(self, group: SequenceGroup, seqs: list[Sequence], least: int, step: _Step,
-                         ignore_budget: bool) -> list[Sequence]:
-        """The longest prefix of `seqs` (at least `least`, which fits) that fits the pool, the
-        sequence slots and the token budget as they are."""
+                         ignore_budget: bool) -> AdmissionPlan:
+        """The plan for the longest prefix of `seqs` (at least `least`, which fits) that fits the
+        pool, the sequence slots and the token budget as they are."""
         bm = self.block_manager
         room = self.config.max_num_seqs - len(self._running_seqs())
         for j in range(min(len(seqs), max(room, least)), least, -1):
-            sub = seqs[:j]
-            if bm.can_allocate(group, sub) is not AllocStatus.OK:
-                continue
-            if ignore_budget or self._prefill_fits(group, sub, step):
-                return sub
-        return seqs[:least]
+            plan = bm.plan(group, seqs[:j])
+            if plan.status is AllocStatus.OK and (ignore_budget or self._prefill_fits(group, plan, step)):
+                return plan
+        return bm.plan(group, seqs[:least])
 
-    def _prefill_fits(self, group: SequenceGroup, seqs: list[Sequence], step: _Step) -> bool:
+    def _prefill_fits(self, group: SequenceGroup, seqs_or_plan: list[Sequence] | AdmissionPlan, step: _Step) -> bool:
         """Whether the step's token budget takes these waiting sequences' prefill: all of it
         without chunking, a first chunk with it."""
         if self._may_chunk(group):
             return step.tokens >= 1
-        return self.block_manager.num_tokens_to_compute(group, seqs) <= step.tokens
+        plan = seqs_or_plan if isinstance(seqs_or_plan, AdmissionPlan) else self.block_manager.plan(group, seqs_or_plan)
+        return plan.num_new_tokens <= step.tokens
 
     def _admit(self, group: SequenceGroup, seqs: list[Sequence], step: _Step, spare: bool) -> bool:
         """Admit as many of the parked `seqs` as fit, leaving (`spare`) a free block per running
         sequence; schedules their prefills. False if none fit."""
         bm = self.block_manager
-        room = self.config.max_num_seqs - len(self._running_seqs())
-        for j in range(min(len(seqs), room), 0, -1):
-            sub = seqs[:j]
-            margin = len(self._running_seqs()) + j if spare else 0
-            if bm.can_allocate(group, sub, reserve=margin) is AllocStatus.OK and self._prefill_fits(group, sub, step):
-                self._allocate(group, sub, step, schedule_later=False)
-                self._schedule_group(group, step, decode=True, prefill=True, only=sub)
+        running = len(self._running_seqs())
+        for j in range(min(len(seqs), self.config.max_num_seqs - running), 0, -1):
+            plan = bm.plan(group, seqs[:j], reserve=running + j if spare else 0)
+            if plan.status is AllocStatus.OK and self._prefill_fits(group, plan, step):
+                self._allocate(group, plan, schedule_later=False)
+                self._schedule_group(group, step, decode=True, prefill=True, only=plan.seqs)
                 return True
         return False
 
-    def _allocate(self, group: SequenceGroup, seqs: list[Sequence], step: _Step, schedule_later: bool) -> None:
-        """Blocks for `seqs` (can_allocate said OK); they become RUNNING."""
+    def _allocate(self, group: SequenceGroup, plan: AdmissionPlan, schedule_later: bool) -> None:
+        """Carry out the admission `plan` (status OK); its sequences become RUNNING."""
         first_admission = group.metrics.first_scheduled_time is None
         # NOTE: blocks whose tokens this step might not compute (a chunk, a recomputed beam that
         # stops short of its last token, anything scheduled after (1)) publish no prefix-cache
         # hash yet; the engine registers each block once its tokens have run.
         register = not schedule_later and not self._may_chunk(group) and not self._is_multi_beam(group)
-        self.block_manager.allocate(group, seqs, register=register)
-        for seq in seqs:
+        self.block_manager.allocate(group, register=register, plan=plan)
+        for seq in plan.seqs:
             if first_admission:
                 group.num_cached_tokens = seq.num_computed_tokens
             seq.status = _RUNNING

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from engine.beam_state import BeamState
 from engine.outputs import Logprob, OutputKind, RequestMetrics
 from engine.sampling_params import SamplingParams
 from engine.stop_strings import StopStrings
@@ -65,6 +66,10 @@ class Sequence:
         # computes them; the scheduler runs this one only once they are (or will be this step).
         self.waits_for: tuple[Sequence, int] | None = None
         self.stop_state: list[int] | None = None  # the request's StopStrings state, when it has stop strings
+        # Prefix caching (BlockManager): the chain of hashes of its full blocks so far, and how
+        # many of its blocks it has registered in the cache.
+        self.block_hashes: list[int] = []
+        self.num_registered_blocks = 0
         # OutputKind.DELTA: how much of the (visible) text and of the tokens has been reported.
         self.delta_sent = (0, 0)
         self.delta_sent_finished = False
@@ -75,6 +80,15 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end], without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n: end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def last_token_id(self) -> int:
@@ -94,6 +108,7 @@ class Sequence:
         child.output_text = self.output_text
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         child.stop_state = list(self.stop_state) if self.stop_state is not None else None
+        child.block_hashes = list(self.block_hashes)  # same tokens so far, same full blocks
         return child
 
     def __repr__(self) -> str:
@@ -130,7 +145,7 @@ class SequenceGroup:
         # With params.prompt_logprobs: one entry per prompt token (None for the first), computed
         # once, at the request's first prefill.
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-        self.beam_state = None  # engine.beam_search.BeamState once a beam search has started
+        self.beam_state: BeamState | None = None  # once a beam search has started (engine/beam_search.py)
         self.output_kind = OutputKind.CUMULATIVE  # what each RequestOutput holds (set by the engine)
         self.stop_token_set = frozenset(params.stop_token_ids)
         self.stop_strings = StopStrings(params.stop) if params.stop else None

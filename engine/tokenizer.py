@@ -30,7 +30,8 @@ def load_tokenizer(path: str, chat_template: str | None = None):
     from transformers import AutoTokenizer
 
     if os.path.isfile(path) and path.endswith(".gguf"):
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                  gguf_file=os.path.basename(path))
     else:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if chat_template is not None:

@@ -28,8 +28,8 @@ class FallbackMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.usage.set(stats.kv_cache_usage)
-        self.total.set(stats.num_gpu_blocks)
-        self.free.set(stats.num_free_gpu_blocks)
+        self.total.set(stats.num_device_blocks)
+        self.free.set(stats.num_free_device_blocks)
 
     def observe_watchdog(self, seconds_without_progress: float, stalls_total: int) -> None:
         """Not exported by the fallback."""

@@ -32,7 +32,7 @@ async def metrics(request: Request) -> Response:
 @router.get("/kv/blocks")
 async def kv_blocks(request: Request) -> JSONResponse:
     ctx = get_ctx(request)
-    return JSONResponse(await ctx.engine.call(lambda engine: engine.block_map()))
+    return JSONResponse(await ctx.engine.block_map())
 
 
 @router.get("/dashboard", include_in_schema=False)

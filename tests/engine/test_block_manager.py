@@ -80,7 +80,7 @@ def test_copy_on_write_only_for_shared_partial_block():
     assert bm.block_table(parent) == [0, 2]
     assert grow(bm, child) is None  # block 1 is now the child's alone: written in place
     assert bm.block_table(child) == [0, 1]
-    assert bm.gpu.blocks[0].ref_count == 2  # the full prompt block stays shared
+    assert bm.device.blocks[0].ref_count == 2  # the full prompt block stays shared
     bm.check_integrity()
     bm.free(parent)
     bm.free(child)
@@ -108,14 +108,14 @@ def test_prefix_cache_reuses_blocks_and_evicts_least_recently_freed():
     bm.check_integrity()
     # free list: 4, 5 (never used), then a's partial block 2 and b's private block 3;
     # the shared prompt blocks are cached, in the order their last reference went: 1, 0
-    assert list(bm.gpu.free) == [4, 5, 2, 3]
-    assert list(bm.gpu.cached) == [1, 0]
-    old_hashes = {bm.gpu.blocks[0].hash, bm.gpu.blocks[1].hash}
+    assert list(bm.device.free) == [4, 5, 2, 3]
+    assert list(bm.device.cached) == [1, 0]
+    old_hashes = {bm.device.blocks[0].hash, bm.device.blocks[1].hash}
     c = make_group(24, "c", first_token=500)  # 6 blocks: takes every free block, then evicts 1, 0
     assert bm.can_allocate(c) is AllocStatus.OK
     bm.allocate(c)
     assert bm.block_table(c.seqs[0]) == [4, 5, 2, 3, 1, 0]
-    assert not bm.gpu.cached and not old_hashes & set(bm.gpu.by_hash)  # evicted
+    assert not bm.device.cached and not old_hashes & set(bm.device.by_hash)  # evicted
     bm.free(c.seqs[0])
     bm.check_integrity()
 
@@ -176,7 +176,7 @@ def test_prompt_logprobs_request_computes_its_whole_prompt_but_publishes_its_blo
 
 
 def pool_state(bm: BlockManager):
-    return list(bm.gpu.free), list(bm.gpu.cached), dict(bm.gpu.by_hash), [b.ref_count for b in bm.gpu.blocks]
+    return list(bm.device.free), list(bm.device.cached), dict(bm.device.by_hash), [b.ref_count for b in bm.device.blocks]
 
 
 def test_cached_prefix_hits_cost_no_tokens_and_live_ones_no_free_block():
@@ -198,7 +198,7 @@ def test_cached_prefix_hits_cost_no_tokens_and_live_ones_no_free_block():
     bm.free(a.seqs[0])
     bm.free(b.seqs[0])
     bm.check_integrity()
-    assert (list(bm.gpu.free), list(bm.gpu.cached)) == ([2, 3], [1, 0])
+    assert (list(bm.device.free), list(bm.device.cached)) == ([2, 3], [1, 0])
 
     x = make_group(7, "x", first_token=500)  # takes the 2 free blocks: 2 (full), 3
     admit(bm, x)
@@ -245,14 +245,14 @@ def test_swap_keeps_sharing_inside_a_group():
     assert len(pairs) == 2  # two unique blocks, copied once each
     g.set_status(SequenceStatus.SWAPPED)
     assert bm.cpu_tables[parent.seq_id] == bm.cpu_tables[child.seq_id]
-    assert bm.gpu.num_free == 8
+    assert bm.device.num_free == 8
     bm.check_integrity()
     assert bm.can_swap_in(g)
     back = bm.swap_in(g)
     g.set_status(SequenceStatus.RUNNING)
     assert len(back) == 2
     assert bm.block_table(parent) == bm.block_table(child)
-    assert all(bm.gpu.blocks[b].ref_count == 2 for b in bm.block_table(parent))
+    assert all(bm.device.blocks[b].ref_count == 2 for b in bm.block_table(parent))
     bm.check_integrity()
     bm.free(parent)
     bm.free(child)
@@ -263,11 +263,11 @@ def admit_checked(bm: BlockManager, g: SequenceGroup) -> None:
     """Admit a group that can_allocate accepted; the admission estimates must bound (and, for
     a group of one sequence, equal) what allocate takes."""
     seqs = g.seqs_with_status(SequenceStatus.WAITING)
-    free_before, tokens = bm.num_free_gpu_blocks, bm.num_tokens_to_compute(g)
-    needed = bm._admission(g).num_free_needed
+    free_before, tokens = bm.num_free_device_blocks, bm.num_tokens_to_compute(g)
+    needed = bm.plan(g).num_free_needed
     bm.allocate(g)
     computed = sum(s.num_uncomputed_tokens for s in seqs)
-    taken = free_before - bm.num_free_gpu_blocks
+    taken = free_before - bm.num_free_device_blocks
     if len(seqs) == 1:
         assert (computed, taken) == (tokens, needed)
     else:
@@ -304,8 +304,8 @@ def test_random_walk_keeps_invariants(seed, block_size, prefix):
                     seq.output_token_ids.pop()
                 continue
             for seq in running:
-                table_before = bm.block_table(seq)
-                shared_before = [bm.gpu.blocks[b].ref_count > 1 for b in table_before]
+                table_before = list(bm.block_table(seq))  # (the live list changes)
+                shared_before = [bm.device.blocks[b].ref_count > 1 for b in table_before]
                 cow = bm.append_slot(seq)
                 seq.num_computed_tokens = len(seq)
                 if cow is not None:

@@ -81,11 +81,13 @@ def test_n_samples_share_the_prompt_and_best_of_returns_best(make_llm):
 
 def test_abort_frees_blocks_mid_generation(make_llm):
     engine = make_llm(**BASE).engine
-    engine.add_request("a", "Tell me a long story about the sea.", SamplingParams(max_tokens=200, ignore_eos=True))
-    engine.add_request("b", "Hi", SamplingParams(temperature=0, max_tokens=4))
+    tok = engine.tokenizer
+    engine.add_request("a", tok("Tell me a long story about the sea.").input_ids,
+                       SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.add_request("b", tok("Hi").input_ids, SamplingParams(temperature=0, max_tokens=4))
     for _ in range(3):
         engine.step()
-    assert engine.block_manager.num_free_gpu_blocks < engine.block_manager.gpu.num_blocks
+    assert engine.block_manager.num_free_device_blocks < engine.block_manager.device.num_blocks
     engine.abort_request("a")
     engine.abort_request("a")  # idempotent
     while engine.has_unfinished_requests():

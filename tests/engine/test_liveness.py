@@ -181,7 +181,7 @@ def run(w: World) -> int:
     assert not sched.has_unfinished()
     bm.check_integrity()
     assert not bm.tables and not bm.cpu_tables
-    assert bm.gpu.num_free == bm.gpu.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks
+    assert bm.device.num_free == bm.device.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks
     return sum(sched.num_preemptions.values())
 
 
@@ -300,4 +300,4 @@ def run_engine(engine, w: World, reqs: list[Req], rng: random.Random) -> None:
                 assert len(choice.token_ids) == r.max_tokens
     bm = engine.block_manager
     bm.check_integrity()
-    assert not bm.tables and not bm.cpu_tables and bm.gpu.num_free == bm.gpu.num_blocks
+    assert not bm.tables and not bm.cpu_tables and bm.device.num_free == bm.device.num_blocks

@@ -98,7 +98,7 @@ def test_eviction_order_is_least_recently_used_first(make_llm):
     ones are evicted least recently used first, so a prefix used again survives an older one."""
     llm = make_llm(block_size=BLOCK, enable_prefix_caching=True, num_gpu_blocks_override=10, max_model_len=160)
     engine, bm = llm.engine, llm.engine.block_manager
-    assert list(bm.gpu.free) == list(range(10)) and not bm.gpu.cached, "needs a fresh engine"
+    assert list(bm.device.free) == list(range(10)) and not bm.device.cached, "needs a fresh engine"
     tok = llm.tokenizer
     a = prompt_of_length(tok, 40, offset_words=0)  # 2 full blocks + 8 tokens
     b = prompt_of_length(tok, 40, offset_words=100)
@@ -112,17 +112,17 @@ def test_eviction_order_is_least_recently_used_first(make_llm):
     # Each request's blocks are freed last block first: the partial one goes to the back of the
     # free list, full ones join the cached set (oldest first), deepest block first.
     assert serve("A", a) == 0  # blocks 0, 1, 2
-    assert list(bm.gpu.free) == [3, 4, 5, 6, 7, 8, 9, 2] and list(bm.gpu.cached) == [1, 0]
+    assert list(bm.device.free) == [3, 4, 5, 6, 7, 8, 9, 2] and list(bm.device.cached) == [1, 0]
     assert serve("B", b) == 0  # blocks 3, 4, 5
-    assert list(bm.gpu.free) == [6, 7, 8, 9, 2, 5] and list(bm.gpu.cached) == [1, 0, 4, 3]
+    assert list(bm.device.free) == [6, 7, 8, 9, 2, 5] and list(bm.device.cached) == [1, 0, 4, 3]
     assert serve("A again", a) == 32  # blocks 0, 1 from the cache, its tail in 6
-    assert list(bm.gpu.free) == [7, 8, 9, 2, 5, 6] and list(bm.gpu.cached) == [4, 3, 1, 0]
+    assert list(bm.device.free) == [7, 8, 9, 2, 5, 6] and list(bm.device.cached) == [4, 3, 1, 0]
     assert serve("D", d) == 0  # 8 blocks: the 6 free ones, then evicts B's 4 and 3
-    assert list(bm.gpu.free) == [3] and list(bm.gpu.cached) == [1, 0, 4, 6, 5, 2, 9, 8, 7]
+    assert list(bm.device.free) == [3] and list(bm.device.cached) == [1, 0, 4, 6, 5, 2, 9, 8, 7]
     assert serve("A third", a) == 32  # used more recently than B: A's blocks survived D
-    assert list(bm.gpu.free) == [3] and list(bm.gpu.cached) == [4, 6, 5, 2, 9, 8, 7, 1, 0]
+    assert list(bm.device.free) == [3] and list(bm.device.cached) == [4, 6, 5, 2, 9, 8, 7, 1, 0]
     assert serve("B again", b) == 0  # B's were evicted; takes 3, then evicts D's deepest: 4, 6
-    assert list(bm.gpu.free) == [6] and list(bm.gpu.cached) == [5, 2, 9, 8, 7, 1, 0, 4, 3]
+    assert list(bm.device.free) == [6] and list(bm.device.cached) == [5, 2, 9, 8, 7, 1, 0, 4, 3]
     bm.check_integrity()
 
 
@@ -155,7 +155,7 @@ def test_parallel_samples_hold_one_copy_of_the_prompt(make_llm, monkeypatch, pro
     def measuring_schedule():
         nonlocal peak
         out = schedule()  # the pool is fullest right after scheduling (new and copied blocks)
-        peak = max(peak, bm.usage()["gpu_used"])
+        peak = max(peak, bm.usage()["device_used"])
         return out
 
     monkeypatch.setattr(engine.scheduler, "schedule", measuring_schedule)

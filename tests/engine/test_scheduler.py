@@ -63,7 +63,7 @@ def test_finished_requests_free_their_blocks_the_same_step():
     sched = make_scheduler()
     sched.add(group("a", 5, max_tokens=2))
     fake_step(sched)
-    assert sched.block_manager.num_free_gpu_blocks < 64
+    assert sched.block_manager.num_free_device_blocks < 64
     _, finished = fake_step(sched)
     assert [g.request_id for g in finished] == ["a"]
     assert sched.block_manager.all_free()
@@ -201,7 +201,7 @@ def test_admission_charges_the_token_budget_only_for_uncached_tokens(prompt_logp
         assert got == [("x", 16)]  # 16 + 28 > 32
         assert [g.request_id for g in sched.waiting] == ["long", "y"]
     run_to_completion(sched)
-    assert sched.block_manager.num_free_gpu_blocks == 64
+    assert sched.block_manager.num_free_device_blocks == 64
 
 
 def test_admission_of_a_cached_prompt_shares_live_blocks():
@@ -215,7 +215,7 @@ def test_admission_of_a_cached_prompt_shares_live_blocks():
     out, _ = fake_step(sched)
     got = [(s.group.request_id, s.num_tokens, s.block_table) for s in out.scheduled]
     assert got == [("b", 1, [0, 1, 3]), ("a", 1, [0, 1, 2])]
-    assert sched.block_manager.num_free_gpu_blocks == 0
+    assert sched.block_manager.num_free_device_blocks == 0
 
 
 # ---------------------------------------------------------------- chunked prefill

@@ -91,7 +91,7 @@ def test_constraints_do_not_leak_into_other_requests_of_the_batch(make_llm):
 def test_bad_constraint_is_a_value_error(make_llm, spec):
     llm = make_llm(**BASE)
     with pytest.raises(ValueError, match="invalid"):
-        llm.engine.add_request("bad-constraint", "Hi", SamplingParams(guided_decoding=spec))
+        llm.engine.add_request("bad-constraint", llm.tokenizer("Hi").input_ids, SamplingParams(guided_decoding=spec))
     assert not llm.engine.has_unfinished_requests()
 
 

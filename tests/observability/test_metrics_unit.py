@@ -94,7 +94,7 @@ def test_the_pool_size_is_exported_before_the_first_step():
 def test_gauges_follow_the_latest_snapshot():
     metrics = Metrics(MODEL, CACHE_INFO)
     metrics.observe(EngineStats(
-        num_running=3, num_waiting=2, num_swapped=1, num_gpu_blocks=64, num_free_gpu_blocks=40,
+        num_running=3, num_waiting=2, num_swapped=1, num_device_blocks=64, num_free_device_blocks=40,
         num_cpu_blocks=32, num_free_cpu_blocks=30, kv_cache_usage=24 / 64, cpu_cache_usage=2 / 32,
         kv_internal_fragmentation=0.125, num_shared_blocks=4, num_blocks_saved_by_sharing=6))
     samples = scrape(metrics)
@@ -109,7 +109,7 @@ def test_gauges_follow_the_latest_snapshot():
     assert value(samples, "paged_serve:kv_shared_blocks") == 4
     assert value(samples, "paged_serve:kv_blocks_saved_by_sharing") == 6
 
-    metrics.observe(EngineStats(num_gpu_blocks=64, num_free_gpu_blocks=64))
+    metrics.observe(EngineStats(num_device_blocks=64, num_free_device_blocks=64))
     samples = scrape(metrics)
     assert value(samples, "paged_serve:num_requests_running") == 0
     assert value(samples, "paged_serve:kv_cache_usage_perc") == 0

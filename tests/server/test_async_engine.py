@@ -30,12 +30,26 @@ def engine_factory(llm):
     for request_id in list(llm.requests):
         llm.abort_request(request_id)
     llm.block_manager.check_integrity()
-    assert llm.block_manager.gpu.num_free == llm.block_manager.gpu.num_blocks
+    assert llm.block_manager.device.num_free == llm.block_manager.device.num_blocks
 
 
-def all_free(llm) -> bool:
-    """No request left in the engine and every KV block free."""
-    return not llm.requests and llm.block_manager.gpu.num_free == llm.block_manager.gpu.num_blocks
+_TOKENIZER: list = []
+
+
+@pytest.fixture(autouse=True)
+def _tokenizer(llm):
+    _TOKENIZER[:] = [llm.tokenizer]
+
+
+async def add(engine, request_id: str, text: str, params: SamplingParams, **kwargs):
+    ids = _TOKENIZER[0](text).input_ids
+    return await engine.add_request(request_id, ids, params, prompt_text=text, **kwargs)
+
+
+async def pool_free(engine) -> bool:
+    """No KV block in use (asked of the engine thread, between two steps)."""
+    m = await engine.block_map()
+    return not any(m["ref_counts"]) and m["num_running"] == m["num_waiting"] == 0
 
 
 def run_with_engine(body, factory, **kw):
@@ -55,7 +69,8 @@ def test_generate_streams_to_the_end_and_reports_stats(engine_factory, llm):
 
     async def body(engine):
         await engine.wait_ready()
-        return [o async for o in engine.generate("r1", "The sky is", SamplingParams(max_tokens=5, temperature=0,
+        ids = _TOKENIZER[0]("The sky is").input_ids
+        return [o async for o in engine.generate("r1", ids, SamplingParams(max_tokens=5, temperature=0,
                                                                                     ignore_eos=True))]
 
     outs = run_with_engine(body, engine_factory, on_stats=seen.append)
@@ -69,11 +84,12 @@ def test_generate_streams_to_the_end_and_reports_stats(engine_factory, llm):
 def test_cancelling_the_iterator_aborts_the_request(engine_factory):
     async def body(engine):
         await engine.wait_ready()
-        gen = engine.generate("r1", "Tell me a story", SamplingParams(max_tokens=100, ignore_eos=True))
+        ids = _TOKENIZER[0]("Tell me a story").input_ids
+        gen = engine.generate("r1", ids, SamplingParams(max_tokens=100, ignore_eos=True))
         await gen.__anext__()
         await gen.aclose()
         for _ in range(200):
-            if await engine.call(all_free):
+            if await pool_free(engine):
                 return engine.num_in_flight
             await asyncio.sleep(0.01)
         raise AssertionError("request still in the engine")
@@ -94,8 +110,8 @@ def test_value_error_from_add_leaves_nothing_behind(engine_factory):
 def test_failing_request_is_isolated(engine_factory):
     async def body(engine):
         await engine.wait_ready()
-        good = await engine.add_request("good", "Count: one, two,", SamplingParams(max_tokens=6, ignore_eos=True))
-        bad = await engine.add_request("bad", f"{FAIL} here", SamplingParams(max_tokens=6))
+        good = await add(engine, "good", "Count: one, two,", SamplingParams(max_tokens=6, ignore_eos=True))
+        bad = await add(engine, "bad", f"{FAIL} here", SamplingParams(max_tokens=6))
         # NOTE: the exception's text goes to the log, not to the caller
         with pytest.raises(RequestFailedError, match="Internal error while generating") as failure:
             async for _ in bad:
@@ -110,7 +126,7 @@ def test_failing_request_is_isolated(engine_factory):
 def test_dead_loop_fails_everything_and_refuses_new_requests(engine_factory):
     async def body(engine):
         await engine.wait_ready()
-        stream = await engine.add_request("r", f"{KILL} now", SamplingParams(max_tokens=5))
+        stream = await add(engine, "r", f"{KILL} now", SamplingParams(max_tokens=5))
         with pytest.raises((EngineDeadError, RequestFailedError)):
             async for _ in stream:
                 pass
@@ -119,9 +135,9 @@ def test_dead_loop_fails_everything_and_refuses_new_requests(engine_factory):
                 break
             await asyncio.sleep(0.01)
         with pytest.raises(EngineDeadError):
-            await engine.add_request("r2", "a", SamplingParams(max_tokens=5))
+            await add(engine, "r2", "a", SamplingParams(max_tokens=5))
         with pytest.raises(EngineDeadError):
-            await engine.call(lambda e: None)
+            await engine.block_map()
         return engine.state, engine.dead_reason
 
     state, reason = run_with_engine(body, engine_factory)
@@ -145,7 +161,7 @@ def test_queue_bound(engine_factory):
         await engine.wait_ready()
         engine.check_accepting(2)
         engine.check_accepting(3)  # an empty queue takes any request (else it could never run)
-        stream = await engine.add_request("waiting", "Hello", SamplingParams(max_tokens=2))
+        stream = await add(engine, "waiting", "Hello", SamplingParams(max_tokens=2))
         if engine.num_queued:  # no output yet: it still waits
             engine.check_accepting(1)
             with pytest.raises(QueueFullError):
@@ -155,7 +171,7 @@ def test_queue_bound(engine_factory):
         engine.release("waiting")
         # A group checked whole (one multi-prompt request) is not refused prompt by prompt.
         engine.check_accepting(3)
-        group = [await engine.add_request(f"g{i}", "Hi", SamplingParams(max_tokens=1), checked=True)
+        group = [await add(engine, f"g{i}", "Hi", SamplingParams(max_tokens=1), checked=True)
                  for i in range(3)]
         for stream in group:
             async for _ in stream:
@@ -169,7 +185,7 @@ def test_queue_bound(engine_factory):
 def test_queued_count_returns_to_zero(engine_factory):
     async def body(engine):
         await engine.wait_ready()
-        streams = [await engine.add_request(f"r{i}", f"Item {i}:", SamplingParams(max_tokens=2)) for i in range(5)]
+        streams = [await add(engine, f"r{i}", f"Item {i}:", SamplingParams(max_tokens=2)) for i in range(5)]
         for stream in streams:
             async for _ in stream:
                 pass

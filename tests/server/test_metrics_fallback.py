@@ -9,7 +9,7 @@ from server.metrics_fallback import FallbackMetrics
 
 def test_fallback_has_the_same_interface():
     m = FallbackMetrics("m", {"block_size": "16"})
-    m.observe(EngineStats(num_running=2, num_gpu_blocks=10, num_free_gpu_blocks=4, kv_cache_usage=0.6))
+    m.observe(EngineStats(num_running=2, num_device_blocks=10, num_free_device_blocks=4, kv_cache_usage=0.6))
     m.client_disconnected()
     body, content_type = m.render()
     text = body.decode()

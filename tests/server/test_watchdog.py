@@ -14,7 +14,7 @@ from engine.sampling_params import SamplingParams
 from tests.server.conftest import FAULTY, start_server
 from tests.server.faulty_engine import HANG, HANG_S, STUCK
 from tests.server.support import post
-from tests.server.test_async_engine import engine_factory, llm, run_with_engine  # noqa: F401 (fixtures)
+from tests.server.test_async_engine import _tokenizer, add, engine_factory, llm, run_with_engine  # noqa: F401
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -23,7 +23,7 @@ def test_an_engine_that_can_run_nothing_backs_off_and_is_reported_stalled(engine
     async def body(engine):
         await engine.wait_ready()
         assert engine.watchdog.check() is None
-        stream = await engine.add_request("stuck", f"{STUCK} here", SamplingParams(max_tokens=4))
+        stream = await add(engine, "stuck", f"{STUCK} here", SamplingParams(max_tokens=4))
         steps_before = llm.num_steps
         await asyncio.sleep(1.5)
         steps = llm.num_steps - steps_before

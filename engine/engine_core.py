@@ -1,0 +1,37 @@
+"""`EngineCore`: what the async engine needs of the engine it runs on its thread (`LLMEngine`
+is one). A typed contract instead of an `Any` reached into with `getattr` and callables."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from engine.metrics import EngineStats
+from engine.outputs import OutputKind, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class EngineCore(Protocol):
+    last_stats: EngineStats  # the state after the latest step
+    last_step_empty: bool  # the latest step ran nothing (with work pending: it could run nothing)
+    newly_scheduled: list[str]  # requests the latest step scheduled for the first time
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None, output_kind: OutputKind = OutputKind.CUMULATIVE,
+                    prompt_text: str | None = None, grammar: Any = None) -> None:
+        """Queue a request; ValueError for bad input (nothing is left behind)."""
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request and free its blocks now; unknown ids are ignored."""
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; the outputs of the requests it advanced."""
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def check_health(self) -> None:
+        """Raise (an exception marked `fatal`) if steps can no longer run."""
+
+    def block_map(self) -> dict:
+        """The KV pool, block by block, for the dashboard (built on demand)."""
+
+    def shutdown(self) -> None: ...
