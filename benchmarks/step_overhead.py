@@ -13,27 +13,50 @@ machine (another commit, or before a change), never as an absolute figure.
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
+from engine.outputs import OutputKind
 from engine.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_config(max_len: int) -> str:
+    """configs/models/tiny-4kv.json with room for `max_len` positions, as a temporary file."""
+    config = json.loads((REPO / "configs/models/tiny-4kv.json").read_text())
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], max_len)
+    path = Path(tempfile.mkdtemp(prefix="step-overhead-")) / "tiny-4kv.json"
+    path.write_text(json.dumps(config))
+    return str(path)
 
 
 def measure(batch: int, context: int, steps: int, sampling: str, seed: int = 0) -> dict:
-    args = EngineArgs(model="tiny-4kv", load_format="dummy", max_model_len=context + steps + 16, block_size=16,
-                      max_num_seqs=max(batch, 1), max_num_batched_tokens=max(8192, batch), seed=seed,
-                      kv_cache_memory=f"{batch * (context + steps + 32) * 4096 + 64 * 2**20}",
-                      enable_prefix_caching=True)
+    budget = max(8192, batch)
+    # NOTE: every request keeps decoding until the measured steps are done: the first ones start
+    # while the last ones are still being prefilled (budget tokens a step).
+    max_tokens = -(-batch * context // budget) + 8 + steps + 8
+    max_len = context + max_tokens
+    args = EngineArgs(model=tiny_config(max_len), load_format="dummy", max_model_len=max_len, block_size=16,
+                      max_num_seqs=max(batch, 1), max_num_batched_tokens=budget, seed=seed,
+                      kv_cache_memory=f"{batch * (max_len + 16) * 4096 + 64 * 2**20}", enable_prefix_caching=True)
     engine = LLMEngine(args.create_engine_config())
+    gc.collect()
+    gc.freeze()  # as the server does once its engine is loaded (engine/async_engine.py)
     if sampling == "greedy":
-        params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     else:
-        params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=steps + 8, ignore_eos=True, seed=seed)
+        params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, seed=seed)
     for i in range(batch):
         prompt = [(7 * i + 13 * k) % 1000 + 3 for k in range(context - 8)]
-        engine.add_request(f"r{i}", prompt, params)
+        # NOTE: as the server asks for them when streaming: only what is new each step
+        engine.add_request(f"r{i}", prompt, params, output_kind=OutputKind.DELTA)
     execute = engine.executor.execute
     spent: list[float] = []
 
@@ -49,6 +72,7 @@ def measure(batch: int, context: int, steps: int, sampling: str, seed: int = 0) 
         engine.step()
     for _ in range(8):  # warm up the decode path
         engine.step()
+    assert len(engine.scheduler.running) == batch, "not every request is decoding"
     totals, forwards = [], []
     for _ in range(steps):
         spent.clear()
@@ -57,6 +81,7 @@ def measure(batch: int, context: int, steps: int, sampling: str, seed: int = 0) 
         totals.append(time.perf_counter() - t0)
         forwards.append(sum(spent))
     overhead = [t - f for t, f in zip(totals, forwards)]
+    gc.unfreeze()
     return {"batch": batch, "context": context, "sampling": sampling, "step_ms": statistics.median(totals) * 1e3,
             "forward_ms": statistics.median(forwards) * 1e3, "overhead_ms": statistics.median(overhead) * 1e3,
             "overhead_us_per_seq": statistics.median(overhead) * 1e6 / batch}

@@ -19,14 +19,14 @@ Failures:
   the loop carries on. If the loop itself breaks (or steps keep failing), the engine is dead:
   every stream fails with `EngineDeadError` and new requests are refused with it.
 
-`RequestStream` and these errors are defined in engine/request_stream.py and importable from here.
+The engine thread's side is engine/engine_thread.py; `RequestStream` and these errors are defined in
+engine/request_stream.py and importable from here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import enum
 import logging
 import queue
 import threading
@@ -47,26 +47,16 @@ from engine.request_stream import (
     RequestStream,
 )
 from engine.sampling_params import SamplingParams
+from engine.engine_thread import INTERNAL_ERROR, EngineState, EngineThread
 from engine.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_MAX_CONSECUTIVE_STEP_FAILURES = 3
-_IDLE_WAIT_S = 1.0  # the loop also wakes on every command; this only bounds a missed wake-up
-_EMPTY_STEP_WAIT_S = (0.001, 0.25)  # back-off after steps that ran nothing: first wait, longest wait
-_INTERNAL_ERROR = "Internal error while generating this request; the server log has the details."
 
 
-class EngineState(enum.Enum):
-    LOADING = "loading"
-    READY = "ready"
-    DEAD = "dead"  # failed to load, or the loop broke: nothing will be served again
-    STOPPED = "stopped"  # shut down on purpose
-
-
-class AsyncEngine:
+class AsyncEngine(EngineThread):
     """Runs an `LLMEngine` on a background thread; see the module docstring."""
 
     def __init__(
@@ -77,6 +67,7 @@ class AsyncEngine:
         on_stats: Callable[[EngineStats], None] | None = None,
         max_queued_requests: int | None = None,
         stall_timeout: float | None = 120.0,
+        freeze_gc: bool = False,
     ) -> None:
         """`engine_factory` builds the `LLMEngine` (on the engine thread, it may take seconds);
         `on_ready(engine)` runs on the engine thread once it is built (it may set `on_stats`);
@@ -87,6 +78,7 @@ class AsyncEngine:
         self.on_ready = on_ready
         self.on_stats = on_stats
         self.max_queued_requests = max_queued_requests
+        self.freeze_gc = freeze_gc  # once loaded, keep what exists out of the cyclic GC (a server's engine)
         self.state = EngineState.LOADING
         self.dead_reason: str | None = None  # what killed it, for the log (may hold exception text)
         self.public_dead_reason: str | None = None  # what clients and /health are told
@@ -308,7 +300,7 @@ class AsyncEngine:
             if error is not None and output.invalid_request:
                 stream.put(RequestInvalidError(error))
             elif error is not None:  # NOTE: the engine logged the exception; clients get no internals
-                stream.put(RequestFailedError(_INTERNAL_ERROR))
+                stream.put(RequestFailedError(INTERNAL_ERROR))
                 if not output.finished:
                     self.abort(output.request_id)
             else:
@@ -339,135 +331,3 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is closed: the process is exiting
             pass
-
-    # ------------------------------------------------------------------------- engine thread
-    def _thread_main(self) -> None:
-        start = time.monotonic()
-        try:
-            self.engine = self._factory()
-            if self.on_ready is not None:
-                self.on_ready(self.engine)
-            self.last_stats = self.engine.last_stats
-        except BaseException as exc:  # noqa: BLE001 - reported, the server stays up to say so
-            logger.exception("The engine failed to load")
-            self._die(f"The engine failed to load: {exc!r}",
-                      "The engine failed to load; the server log has the details.")
-            self._to_loop(self._set_ready, EngineDeadError(self.dead_reason))
-            return
-        self.load_seconds = time.monotonic() - start
-        if self.state is EngineState.LOADING:
-            self.state = EngineState.READY
-        logger.info("Engine ready in %.1f s", self.load_seconds)
-        self._to_loop(self._set_ready, None)
-        try:
-            self._loop_forever()
-        except BaseException as exc:  # noqa: BLE001
-            logger.exception("The engine loop died")
-            self._die(f"The engine loop died: {exc!r}", "The engine loop died; the server log has the details.")
-        finally:
-            if self.engine is not None:
-                try:
-                    self.engine.shutdown()  # tensor-parallel workers get a clean stop message
-                except Exception:  # noqa: BLE001 - already shutting down
-                    logger.exception("engine shutdown failed")
-
-    def _die(self, reason: str, public: str) -> None:
-        self.dead_reason, self.public_dead_reason = reason, public
-        self.state = EngineState.DEAD
-        self._fail_pending_commands()
-        self._to_loop(self._fail, None, EngineDeadError(public))
-
-    def _loop_forever(self) -> None:
-        failures = empty_steps = 0
-        while not self._stop.is_set():
-            self._wakeup.clear()
-            self.watchdog.busy()
-            self._run_commands()
-            if self._stop.is_set():
-                break
-            if not self.engine.has_unfinished_requests():
-                if self._stats_stale:
-                    self._refresh_idle_stats()
-                self.engine.check_health()  # a dead tensor-parallel worker ends the loop even while idle
-                self.watchdog.idle()
-                self._wakeup.wait(_IDLE_WAIT_S)
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - isolated below
-                failures += 1
-                # NOTE: an error marked fatal (a dead tensor-parallel worker) cannot be retried.
-                if getattr(exc, "fatal", False) or failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
-                    raise
-                self._isolate_step_failure(exc)
-                continue
-            failures = 0
-            self._publish(outputs)
-            if self.engine.last_step_empty:
-                # NOTE: work is pending but nothing could run (not expected: the scheduler always
-                # runs the oldest request). Back off instead of spinning; the watchdog sees no
-                # progress and /health says so.
-                empty_steps += 1
-                first, longest = _EMPTY_STEP_WAIT_S
-                self._wakeup.wait(min(first * 2 ** min(empty_steps, 16), longest))
-            else:
-                empty_steps = 0
-                self.watchdog.progress()
-
-    def _run_commands(self) -> None:
-        while True:
-            try:
-                command, future = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if future is None:
-                command()  # NOTE: an exception here (an abort failing) kills the loop: as it should
-                continue
-            try:
-                future.set_result(command())
-            except Exception as exc:  # noqa: BLE001 - handed to the caller
-                future.set_exception(exc)
-
-    def _engine_abort(self, request_id: str) -> None:
-        if request_id in self._live:
-            self._live.discard(request_id)
-            self.engine.abort_request(request_id)
-            self._stats_stale = True
-
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            if output.finished:
-                self._live.discard(output.request_id)
-        # NOTE: a request that outputs only when done (FINAL_ONLY) leaves the queue when first scheduled.
-        started = list(self.engine.newly_scheduled)
-        if outputs or started:
-            self._to_loop(self._dispatch, outputs, started)
-        self._observe()
-
-    def _observe(self) -> None:
-        self._stats_stale = False
-        stats = self.engine.last_stats
-        self.last_stats = stats
-        if stats is not None and self.on_stats is not None:
-            try:
-                self.on_stats(stats)
-            except Exception:  # noqa: BLE001 - metrics must never stop serving
-                logger.exception("on_stats observer failed")
-
-    def _refresh_idle_stats(self) -> None:
-        """After aborts with nothing left to run, take one (empty) step so that the stats show
-        the freed blocks; the engine's step() on an empty queue is expected to be a no-op."""
-        try:
-            self.engine.step()
-        except Exception:  # noqa: BLE001
-            logger.exception("idle step to refresh stats failed")
-        self._observe()
-
-    def _isolate_step_failure(self, exc: Exception) -> None:
-        culprit = getattr(exc, "request_id", None)
-        ids = [culprit] if culprit in self._live else sorted(self._live)
-        logger.error("engine step failed (%r); failing %d request(s): %s", exc, len(ids), ids[:8],
-                     exc_info=exc)
-        for request_id in ids:
-            self._engine_abort(request_id)
-        self._to_loop(self._fail, ids, RequestFailedError(_INTERNAL_ERROR))

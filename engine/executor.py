@@ -44,6 +44,11 @@ class WorkerDiedError(RuntimeError):
 
     fatal = True  # NOTE: tells a caller that retrying the step is pointless
 
+    def __init__(self, message: str, public: str | None = None):
+        super().__init__(message)
+        # NOTE: what /health may show: written by us, never an exception's own text
+        self.public_reason = public if public is not None else message
+
 
 class Executor(abc.ABC):
     """Runs steps on the model. `weights_bytes` is this rank's share of the weights."""
@@ -301,13 +306,14 @@ class MultiProcessExecutor(Executor):
             return dead
         detail = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
         if _is_distributed_error(e):
-            return WorkerDiedError(
-                f"the tensor-parallel group failed {when} ({detail}); a worker died, hung past "
-                "PAGED_SERVE_TP_TIMEOUT, or could not join: restart the server"
-            )
+            advice = ("a worker died, hung past PAGED_SERVE_TP_TIMEOUT, or could not join: "
+                      "restart the server")
+            return WorkerDiedError(f"the tensor-parallel group failed {when} ({detail}); {advice}",
+                                   public=f"the tensor-parallel group failed {when}; {advice}")
+        advice = "the tensor-parallel workers are out of step with it: restart the server"
         return WorkerDiedError(
-            f"rank 0 failed {when} ({detail}) and the tensor-parallel workers are out of step "
-            "with it: restart the server"
+            f"rank 0 failed {when} ({detail}) and {advice}",
+            public=f"rank 0 failed {when} and {advice}"
         )
 
 

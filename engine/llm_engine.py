@@ -8,6 +8,7 @@ it (see async_engine.py).
 from __future__ import annotations
 
 import logging
+import random
 import time
 
 import torch
@@ -289,7 +290,7 @@ class LLMEngine:
         children = []
         for i in range(1, count + 1):
             seed = group.params.seed
-            gen = torch.Generator().manual_seed(derive_seed(seed, i)) if seed is not None else None
+            gen = random.Random(derive_seed(seed, i)) if seed is not None else None
             child = parent.fork(i, gen)
             self.output_processor.attach_detokenizer(child, group)
             group.seqs.append(child)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from engine.beam_state import beam_search_outputs
 from engine.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
-from engine.sampler import SampleResult
+from engine.sampler import SampleResult, needs_scores
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.stop_strings import StopStrings
 from engine.structured_output import MAX_STEP_MASK_S, ConstraintTooComplex, ConstraintUnsatisfiable
@@ -59,7 +59,8 @@ class OutputProcessor:
         p = group.params
         t = sample.token_id
         seq.output_token_ids.append(t)
-        seq.cumulative_logprob += sample.logprob
+        if sample.logprob is not None:
+            seq.cumulative_logprob += sample.logprob
         if seq.grammar is not None and seq.grammar.slow_mask_s is not None:
             raise ConstraintTooComplex(
                 f"the structured-output constraint is too complex: a token mask took "
@@ -127,21 +128,26 @@ class OutputProcessor:
                 return None if kind is not OutputKind.CUMULATIVE else self.request_output(group, [], kind)
             best = sorted(group.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: p.n]
             want = p.logprobs is not None
-            return self.request_output(group, [self._choice(s, i, kind, want) for i, s in enumerate(best)], kind)
-        choices = [self._choice(s, s.index, kind, p.logprobs is not None) for s in group.seqs]
+            return self.request_output(group, [self._choice(s, i, kind, want, True) for i, s in enumerate(best)],
+                                       kind)
+        want, scored = p.logprobs is not None, needs_scores(p)
+        choices = [self._choice(s, s.index, kind, want, scored) for s in group.seqs]
         if kind is OutputKind.DELTA:
             choices = [c for c in choices if c is not None]
             if not choices and not group.is_finished:
                 return None
         return self.request_output(group, choices, kind)
 
-    def _choice(self, seq: Sequence, index: int, kind: OutputKind, want_logprobs: bool) -> CompletionOutput | None:
+    def _choice(self, seq: Sequence, index: int, kind: OutputKind, want_logprobs: bool,
+                scored: bool) -> CompletionOutput | None:
         """One choice: everything so far, or (DELTA) what is new since the last output of it
-        (None when nothing is: no text, no tokens, not newly finished)."""
+        (None when nothing is: no text, no tokens, not newly finished). `scored`: its
+        cumulative logprob is known (else reported as None, as vLLM does)."""
         logprobs = seq.output_logprobs if want_logprobs else None
         end = len(seq.output_text) - self.held(seq)
+        cumulative = seq.cumulative_logprob if scored else None
         if kind is not OutputKind.DELTA:
-            return CompletionOutput(index, seq.output_text[:end], list(seq.output_token_ids), seq.cumulative_logprob,
+            return CompletionOutput(index, seq.output_text[:end], list(seq.output_token_ids), cumulative,
                                     list(logprobs) if logprobs is not None else None,
                                     seq.status.finish_reason, seq.stop_reason)
         if seq.delta_sent_finished:
@@ -153,7 +159,7 @@ class OutputProcessor:
         seq.delta_sent = (max(end, sent_chars), len(seq.output_token_ids))
         seq.delta_sent_finished = finished
         return CompletionOutput(index, seq.output_text[sent_chars:end], seq.output_token_ids[sent_tokens:],
-                                seq.cumulative_logprob, logprobs[sent_tokens:] if logprobs is not None else None,
+                                cumulative, logprobs[sent_tokens:] if logprobs is not None else None,
                                 seq.status.finish_reason, seq.stop_reason)
 
     @staticmethod

@@ -22,10 +22,19 @@ from itertools import chain
 
 import torch
 
+from engine.random_sampling import (  # noqa: F401 (_sampling_probs: the tests' reference distribution)
+    _F32,
+    _NEG_INF,
+    Generator,
+    _draw,
+    _greedy,
+    _guard_,
+    _index,
+    _rows,
+    _sampling_probs,
+)
 from engine.sampling_params import SamplingParams
 
-_NEG_INF = float("-inf")
-_F32 = torch.finfo(torch.float32)
 
 
 @dataclass
@@ -35,8 +44,9 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    # Per-sequence generator seeded from params.seed; None draws from the global RNG.
-    generator: torch.Generator | None = None
+    # Per-sequence generator seeded from params.seed (a random.Random, or a torch.Generator);
+    # None draws from the global RNG.
+    generator: Generator | None = None
     # Token ids forbidden this step (the engine passes EOS + stop_token_ids while
     # len(output) < min_tokens). Ids outside the vocabulary are ignored.
     masked_token_ids: set[int] | frozenset[int] = frozenset()
@@ -45,8 +55,10 @@ class SamplingRow:
 @dataclass
 class SampleResult:
     token_id: int
-    logprob: float  # raw model log-probability of token_id
-    rank: int  # 1-based rank of token_id in the raw distribution
+    # Raw model log-probability of token_id, and its 1-based rank in the raw distribution; None
+    # for a row that needs neither (no logprobs asked, no best_of ranking: `needs_scores`).
+    logprob: float | None
+    rank: int | None
     # The params.logprobs most likely raw tokens, best first; None when params.logprobs is None.
     top_logprobs: list[tuple[int, float]] | None
 
@@ -69,9 +81,20 @@ class Sampler:
             token_ids[_index(greedy, logits.device)] = _greedy(_rows(adjusted, greedy), _raw_argmax(logits, greedy))
         if random:
             params = [rows[i].params for i in random]
-            probs = _sampling_probs(_rows(adjusted, random), params, _raw_argmax(logits, random))
-            token_ids[_index(random, logits.device)] = _draw(probs, [rows[i].generator for i in random])
-        return score_tokens(logits, token_ids, [r.params.logprobs for r in rows])
+            sub = _rows(adjusted, random)
+            probs, nucleus = _sampling_probs(sub, params, _raw_argmax(logits, random), lazy_top_p=True)
+            token_ids[_index(random, logits.device)] = _draw(probs, [rows[i].generator for i in random], nucleus)
+        # NOTE: scoring costs full-vocabulary passes (logsumexp, rank): only for rows that use it.
+        scored = [i for i, r in enumerate(rows) if needs_scores(r.params)]
+        if len(scored) == len(rows):
+            return score_tokens(logits, token_ids, [r.params.logprobs for r in rows])
+        results = [SampleResult(t, None, None, None) for t in token_ids.tolist()]
+        if scored:
+            index = _index(scored, logits.device)
+            for i, r in zip(scored, score_tokens(logits.index_select(0, index), token_ids.index_select(0, index),
+                                                 [rows[i].params.logprobs for i in scored])):
+                results[i] = r
+        return results
 
     def adjusted_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """A float32 copy of `logits` with logit bias, masked tokens and penalties applied.
@@ -94,6 +117,12 @@ class Sampler:
         return out
 
 
+def needs_scores(params: SamplingParams) -> bool:
+    """Whether a row's sampled token needs its raw logprob and rank: logprobs were asked for,
+    or its samples are ranked by cumulative logprob (best_of > n)."""
+    return params.logprobs is not None or params.best_of > params.n
+
+
 def _raw_argmax(logits: torch.Tensor, sel: list[int]):
     """Fallback for the selected rows that have no finite logit left: given positions among
     `sel`, the raw model's argmax of those rows (computed only when such a row exists)."""
@@ -102,21 +131,6 @@ def _raw_argmax(logits: torch.Tensor, sel: list[int]):
         return logits.index_select(0, _index(sel, logits.device)[dead]).argmax(dim=-1)
 
     return fallback
-
-
-def _greedy(adjusted: torch.Tensor, fallback) -> torch.Tensor:
-    """The argmax of each row; `fallback(dead)` for rows whose every logit is -inf."""
-    # NOTE: torch.argmax picks the first maximum, exactly as HF greedy decoding does.
-    ids = adjusted.argmax(dim=-1)
-    dead = adjusted.gather(1, ids[:, None])[:, 0] == _NEG_INF
-    if bool(dead.any()):
-        ids[dead] = fallback(dead.nonzero()[:, 0])
-    return ids
-
-
-def _guard_(t: torch.Tensor) -> torch.Tensor:
-    """In place: NaN -> -inf, +inf -> the largest finite float32; -inf stays."""
-    return t.nan_to_num_(nan=_NEG_INF, posinf=_F32.max, neginf=_NEG_INF)
 
 
 def _edits(row: SamplingRow) -> bool:
@@ -141,10 +155,6 @@ def top_candidates(logprobs_row: torch.Tensor, k: int) -> list[tuple[int, float]
 
 # ---------------------------------------------------------------------------------------------
 # Logit processors: each takes the float32 [rows, vocab] tensor and edits it in place.
-
-
-def _index(ids: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 def _flat_token_ids(token_lists: list[list[int]], row_ids: list[int], vocab: int, device) -> torch.Tensor:
@@ -230,126 +240,6 @@ def _apply_frequency_presence(logits: torch.Tensor, rows: list[SamplingRow], voc
 
 def _per_row(rows: list[SamplingRow], field, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor([field(r.params) for r in rows], dtype=like.dtype, device=like.device)
-
-
-# ---------------------------------------------------------------------------------------------
-# Random sampling: temperature, top-k, top-p, min-p, then one draw per row.
-
-# Top-p first looks for the nucleus among this many best tokens and sorts the whole row only
-# when their mass falls short of top_p (rare): a full sort of a 49k vocabulary is ~20x slower.
-_TOP_P_CANDIDATES = 256
-
-
-def _sampling_probs(logits: torch.Tensor, params: list[SamplingParams], fallback=None) -> torch.Tensor:
-    """Probabilities to draw from, for rows that do not decode greedily. Never edits `logits`.
-
-    Every row is finite, non-negative and sums to 1. A row left with no finite logit puts all
-    its mass on its best logit, or when every token is masked, on `fallback(rows)` (token ids
-    for those row positions; token 0 without a fallback).
-    """
-    dev, vocab = logits.device, logits.shape[1]
-    # NOTE: 1e308 is inf in float32, and -inf / inf is NaN: clamped to the largest float32, a
-    # huge temperature flattens the finite logits to (nearly) 0, a uniform draw over them.
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev).clamp_(max=_F32.max)
-    original, logits = logits, _guard_(logits / temps[:, None])  # a fresh tensor: everything below edits it in place
-
-    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
-    sel = [i for i, k in enumerate(top_k) if k < vocab]
-    if sel:
-        ks = torch.tensor([top_k[i] for i in sel], dtype=torch.long, device=dev)
-        sub = _rows(logits, sel)
-        kth = torch.topk(sub, int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])
-        # NOTE: tokens tied with the k-th value survive, as in HF and vLLM.
-        _set_rows(logits, sel, sub.masked_fill_(sub < kth, _NEG_INF))
-
-    sel = [i for i, p in enumerate(params) if p.top_p < 1.0]
-    if sel:
-        top_p = torch.tensor([params[i].top_p for i in sel], dtype=torch.float32, device=dev)
-        sub = _rows(logits, sel)
-        cut = _top_p_cutoff(sub, top_p)
-        _set_rows(logits, sel, sub.masked_fill_(sub < cut, _NEG_INF))
-
-    sel = [i for i, p in enumerate(params) if p.min_p > 0.0]
-    if sel:
-        min_p = torch.tensor([params[i].min_p for i in sel], dtype=torch.float32, device=dev)
-        sub = _rows(logits, sel)
-        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); the best token always stays.
-        best = sub.max(dim=-1, keepdim=True).values
-        cut = torch.minimum(best + torch.log(min_p)[:, None], best)
-        _set_rows(logits, sel, sub.masked_fill_(sub < cut, _NEG_INF))
-
-    return _with_fallback(logits.softmax(dim=-1), original, fallback or torch.zeros_like)
-
-
-def _with_fallback(probs: torch.Tensor, logits: torch.Tensor, fallback) -> torch.Tensor:
-    """Rows that softmax turned into NaN (no finite logit left; nothing else is NaN after the
-    guard) become one-hot: on the argmax of the row's `logits` (before temperature) if that is
-    finite, else on `fallback(rows)`."""
-    dead = probs[:, 0].isnan()
-    if bool(dead.any()):
-        rows = dead.nonzero()[:, 0]
-        tokens = _greedy(logits.index_select(0, rows), lambda gone: fallback(rows[gone]))
-        probs[rows] = 0.0
-        probs[rows, tokens.to(probs.device)] = 1.0
-    return probs
-
-
-def _rows(t: torch.Tensor, sel: list[int]) -> torch.Tensor:
-    """The selected rows as a tensor that may be edited in place (a view when it is all rows)."""
-    return t if len(sel) == t.shape[0] else t[_index(sel, t.device)]
-
-
-def _set_rows(t: torch.Tensor, sel: list[int], values: torch.Tensor) -> None:
-    if values is not t:
-        t[_index(sel, t.device)] = values
-
-
-def _top_p_cutoff(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """[rows, 1] logit cutoffs: the nucleus is the smallest set of best tokens whose mass
-    reaches top_p; tokens below the cutoff are dropped, ties with the last kept token stay."""
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    k = min(_TOP_P_CANDIDATES, logits.shape[1])
-    values = torch.topk(logits, k, dim=-1).values
-    cut, covered = _cutoff_in(values, (values - lse).exp(), top_p)
-    if not bool(covered.all()):
-        missing = (~covered).nonzero()[:, 0]
-        values = logits[missing].sort(dim=-1, descending=True).values
-        cut[missing] = _cutoff_in(values, (values - lse[missing]).exp(), top_p[missing])[0]
-    return cut
-
-
-def _cutoff_in(sorted_logits, sorted_probs, top_p):
-    cumulative = sorted_probs.cumsum(dim=-1)
-    # A token stays while the mass of the better tokens is still short of top_p; the best
-    # token always stays.
-    # NOTE: clamped, because top_p = 1e-300 is 0 in float32 (and a row of -inf gives NaN
-    # probabilities): keep = 0 would gather index -1, a device-side assert on a GPU.
-    keep = ((cumulative - sorted_probs) < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
-    covered = cumulative[:, -1] >= top_p
-    return sorted_logits.gather(1, keep - 1), covered
-
-
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row by inverting the CDF at one uniform number per row.
-
-    A seeded row takes its number from its own generator, so its tokens depend only on its own
-    probabilities and seed, never on the rest of the batch. A token of probability 0 adds
-    nothing to the CDF, so the search can never land on it. (u has 24 random bits: a token's
-    chance is resolved to about 6e-8.)
-    """
-    u = torch.empty(len(generators), dtype=torch.float32)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        u[unseeded] = torch.rand(len(unseeded))
-    for i, g in enumerate(generators):
-        if g is not None:
-            # Drawn on the generator's own device, so a CPU generator also serves CUDA logits.
-            u[i] = torch.rand(1, generator=g, device=g.device).item()
-    cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1:]
-    # NOTE: u < 1, but u * total may round up to total; stay strictly below it.
-    target = torch.minimum(u.to(probs.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
 
 
 # ---------------------------------------------------------------------------------------------

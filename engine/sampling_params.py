@@ -19,7 +19,8 @@ _MANUAL_SEED_MIN, _MANUAL_SEED_MAX = -(2**63), 2**64 - 1
 
 
 def derive_seed(seed: int, index: int) -> int:
-    """The seed of sample `index` of a request seeded with `seed`, for `torch.Generator().manual_seed`.
+    """The seed of sample `index` of a request seeded with `seed` (the engine seeds a
+    `random.Random` with it; `torch.Generator().manual_seed` takes it too).
 
     It is `seed + index` whenever manual_seed takes that (always, for a valid seed and
     0 <= index <= 2**63), so `derive_seed(seed, 0) == seed`; otherwise `seed + index` modulo 2**64,

@@ -45,7 +45,7 @@ prefilled again later from its prompt and generated tokens. A parked extra is al
 
 Chunked prefill (`enable_chunked_prefill`): a prompt whose uncomputed tokens exceed the step's
 remaining budget is prefilled over several steps, each chunk ending on a block boundary where the
-budget allows (`_chunk_size`); it samples only at the chunk that computes its last token
+budget allows (`StepPlan._chunk_size`); it samples only at the chunk that computes its last token
 (`ScheduledSeq.samples`). A request whose prompt logprobs are still to be computed is not chunked
 (every prompt row is scored in one step). Recomputed beams prefill up to their last token, then
 decode together, so that every beam samples in the same step.
@@ -56,13 +56,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from itertools import chain
 
 from engine.block_manager import AdmissionPlan, AllocStatus, BlockManager
 from engine.config import SchedulerConfig
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.step_plan import StepPlan, logprobs_pending
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
 
@@ -71,22 +71,6 @@ logger = logging.getLogger(__name__)
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
 _SWAPPED = SequenceStatus.SWAPPED
-
-
-@dataclass
-class _Step:
-    """The step being built: its output, what is left of the token budget, what it runs."""
-
-    out: SchedulerOutput
-    tokens: int
-    prefills: list[ScheduledSeq] = field(default_factory=list)
-    decodes: list[ScheduledSeq] = field(default_factory=list)
-    scheduled: dict[int, tuple[ScheduledSeq, tuple[int, int] | None]] = field(default_factory=dict)  # by seq id
-
-    def computed_after(self, seq: Sequence) -> int:
-        """The sequence's num_computed_tokens once this step has run."""
-        entry = self.scheduled.get(seq.seq_id)
-        return seq.num_computed_tokens + (entry[0].num_tokens if entry else 0)
 
 
 class Scheduler:
@@ -169,6 +153,9 @@ class Scheduler:
         return unfinished if group.is_beam_search else unfinished[:1]
 
     def _lead_running(self, group: SequenceGroup) -> bool:
+        seqs = group.seqs
+        if len(seqs) == 1:  # NOTE: the common case, at every step for every request
+            return seqs[0].status == _RUNNING
         return all(s.status == _RUNNING for s in self._lead(group))
 
     def _running_seqs(self) -> list[Sequence]:
@@ -176,7 +163,8 @@ class Scheduler:
 
     # ---------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
-        step = _Step(SchedulerOutput(), self.config.max_num_batched_tokens)
+        step = StepPlan(SchedulerOutput(), self.config.max_num_batched_tokens, self.block_manager,
+                        self.config.enable_chunked_prefill)
         oldest = self.oldest()
         if oldest is not None and not self._lead_running(oldest) and not self._bring_in(oldest, step, preempt=True):
             logger.error("the oldest request %s cannot be brought in (not expected)", oldest.request_id)
@@ -184,10 +172,10 @@ class Scheduler:
 
         # (1) The oldest request first (all its sequences), then every decode, then chunks.
         for group in self.running:
-            self._schedule_group(group, step, decode=True, prefill=group is oldest)
+            step.schedule_group(group, decode=True, prefill=group is oldest)
         for group in self.running:
-            if group is not oldest:
-                self._schedule_group(group, step, decode=False, prefill=True)
+            if group is not oldest and any(s.seq_id not in step.scheduled for s in group.seqs if s.status == _RUNNING):
+                step.schedule_group(group, decode=False, prefill=True)
 
         # (2) Leads that are out come in, oldest first.
         if not lead_preempted:
@@ -209,7 +197,7 @@ class Scheduler:
         return out
 
     # ---------------------------------------------------------------- making room
-    def _fit_running(self, step: _Step, oldest: SequenceGroup | None) -> bool:
+    def _fit_running(self, step: StepPlan, oldest: SequenceGroup | None) -> bool:
         """Park extras, then preempt the newest requests, until every running sequence can get a
         slot for its next token and at most max_num_seqs run. Returns whether a request was
         preempted whole."""
@@ -239,7 +227,7 @@ class Scheduler:
                 return g
         return pool[-1] if pool else None
 
-    def _park_lowest_extra(self, step: _Step) -> bool:
+    def _park_lowest_extra(self, step: StepPlan) -> bool:
         """Park the running extra with the lowest priority (the newest request's highest-index
         one; no sibling waits for its blocks, see `_caught_up`), taking back what this step had
         scheduled for it. False if no extra runs."""
@@ -253,14 +241,8 @@ class Scheduler:
                 return True
         return False
 
-    def _park(self, group: SequenceGroup, seq: Sequence, step: _Step) -> None:
-        entry = step.scheduled.pop(seq.seq_id, None)
-        if entry is not None:
-            scheduled, cow = entry
-            (step.prefills if scheduled.is_prefill else step.decodes).remove(scheduled)
-            step.tokens += scheduled.num_tokens
-            if cow is not None:
-                step.out.blocks_to_copy.remove(cow)
+    def _park(self, group: SequenceGroup, seq: Sequence, step: StepPlan) -> None:
+        step.unschedule(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens, seq.status, seq.waits_for = 0, _WAITING, None
         self._count_preemption(group, step.out, "recompute", f"parked sample {seq.index} of")
@@ -292,7 +274,7 @@ class Scheduler:
                        mode, sum(self.num_preemptions.values()))
 
     # ---------------------------------------------------------------- bringing leads in
-    def _bring_in(self, group: SequenceGroup, step: _Step, *, preempt: bool) -> bool:
+    def _bring_in(self, group: SequenceGroup, step: StepPlan, *, preempt: bool) -> bool:
         """Swap in or admit the request's lead (with as many other samples as fit as they are),
         parking extras for room, and with `preempt` (the oldest, before anything is scheduled)
         preempting newer requests too. Scheduled at once unless `preempt`. False if it does
@@ -334,10 +316,10 @@ class Scheduler:
                 self.waiting.remove(group)
             _insert(self.running, group)
         if not preempt:
-            self._schedule_group(group, step, decode=True, prefill=True)
+            step.schedule_group(group, decode=True, prefill=True)
         return True
 
-    def _largest_fitting(self, group: SequenceGroup, seqs: list[Sequence], least: int, step: _Step,
+    def _largest_fitting(self, group: SequenceGroup, seqs: list[Sequence], least: int, step: StepPlan,
                          ignore_budget: bool) -> AdmissionPlan:
         """The plan for the longest prefix of `seqs` (at least `least`, which fits) that fits the
         pool, the sequence slots and the token budget as they are."""
@@ -349,15 +331,15 @@ class Scheduler:
                 return plan
         return bm.plan(group, seqs[:least])
 
-    def _prefill_fits(self, group: SequenceGroup, seqs_or_plan: list[Sequence] | AdmissionPlan, step: _Step) -> bool:
+    def _prefill_fits(self, group: SequenceGroup, seqs_or_plan: list[Sequence] | AdmissionPlan, step: StepPlan) -> bool:
         """Whether the step's token budget takes these waiting sequences' prefill: all of it
         without chunking, a first chunk with it."""
-        if self._may_chunk(group):
+        if step.may_chunk(group):
             return step.tokens >= 1
         plan = seqs_or_plan if isinstance(seqs_or_plan, AdmissionPlan) else self.block_manager.plan(group, seqs_or_plan)
         return plan.num_new_tokens <= step.tokens
 
-    def _admit(self, group: SequenceGroup, seqs: list[Sequence], step: _Step, spare: bool) -> bool:
+    def _admit(self, group: SequenceGroup, seqs: list[Sequence], step: StepPlan, spare: bool) -> bool:
         """Admit as many of the parked `seqs` as fit, leaving (`spare`) a free block per running
         sequence; schedules their prefills. False if none fit."""
         bm = self.block_manager
@@ -366,7 +348,7 @@ class Scheduler:
             plan = bm.plan(group, seqs[:j], reserve=running + j if spare else 0)
             if plan.status is AllocStatus.OK and self._prefill_fits(group, plan, step):
                 self._allocate(group, plan, schedule_later=False)
-                self._schedule_group(group, step, decode=True, prefill=True, only=plan.seqs)
+                step.schedule_group(group, decode=True, prefill=True, only=plan.seqs)
                 return True
         return False
 
@@ -376,14 +358,15 @@ class Scheduler:
         # NOTE: blocks whose tokens this step might not compute (a chunk, a recomputed beam that
         # stops short of its last token, anything scheduled after (1)) publish no prefix-cache
         # hash yet; the engine registers each block once its tokens have run.
-        register = not schedule_later and not self._may_chunk(group) and not self._is_multi_beam(group)
+        chunks = self.config.enable_chunked_prefill and not logprobs_pending(group)
+        register = not schedule_later and not chunks and not StepPlan.is_multi_beam(group)
         self.block_manager.allocate(group, register=register, plan=plan)
         for seq in plan.seqs:
             if first_admission:
                 group.num_cached_tokens = seq.num_computed_tokens
             seq.status = _RUNNING
 
-    def _swap_in(self, group: SequenceGroup, step: _Step) -> None:
+    def _swap_in(self, group: SequenceGroup, step: StepPlan) -> None:
         mapping = self.block_manager.swap_in(group)
         step.out.blocks_to_swap_in.extend(mapping)
         self.swapped_blocks["in"] += len(mapping)
@@ -405,90 +388,7 @@ class Scheduler:
     def _all_at_once(self, group: SequenceGroup) -> bool:
         """Whether the group's waiting sequences come in together: beams (they sample together)
         and a request whose prompt logprobs are still to be computed."""
-        return group.is_beam_search or self._logprobs_pending(group)
-
-    @staticmethod
-    def _logprobs_pending(group: SequenceGroup) -> bool:
-        return group.params.prompt_logprobs is not None and group.prompt_logprobs is None
-
-    def _may_chunk(self, group: SequenceGroup) -> bool:
-        """Whether the group's prefills may be split over steps: chunked prefill is on and its
-        prompt logprobs (which need every prompt row in one step) are not still to be computed."""
-        return self.config.enable_chunked_prefill and not self._logprobs_pending(group)
-
-    @staticmethod
-    def _is_multi_beam(group: SequenceGroup) -> bool:
-        """A beam search past its first step: its beams sample together."""
-        return group.is_beam_search and len(group.unfinished_seqs) > 1
-
-    # ---------------------------------------------------------------- what runs
-    def _schedule_group(self, group: SequenceGroup, step: _Step, *, decode: bool, prefill: bool,
-                        only: Iterable[Sequence] | None = None) -> None:
-        """Schedule the group's running sequences (or `only` these), in index order, within the
-        step's token budget: decodes (`decode`) take a slot for their next token, prefills
-        (`prefill`) their next chunk (or all their uncomputed tokens without chunking).
-        Beams decode together or not at all; recomputed beams stop a token short."""
-        seqs = list(only) if only is not None else group.seqs_with_status(_RUNNING)
-        beams = self._is_multi_beam(group)
-        if beams:
-            if any(self._is_prefilling(s) for s in seqs):
-                decode = False  # the others wait until every beam can sample
-            elif decode and len(seqs) > step.tokens:
-                return
-        for seq in seqs:
-            if seq.seq_id in step.scheduled or step.tokens < 1:
-                continue
-            if not self._is_prefilling(seq):
-                if decode and self._caught_up(seq, step):
-                    cow = self.block_manager.append_slot(seq)
-                    if cow is not None:
-                        step.out.blocks_to_copy.append(cow)
-                    self._add(step, ScheduledSeq(seq, group, seq.num_uncomputed_tokens, False), cow)
-            elif prefill:
-                n = self._chunk_size(seq, step.tokens) if self._may_chunk(group) else seq.num_uncomputed_tokens
-                if beams:
-                    n = min(n, seq.num_uncomputed_tokens - 1)
-                if 0 < n <= step.tokens and self._caught_up(seq, step):
-                    self._add(step, ScheduledSeq(seq, group, n, True, samples=n == seq.num_uncomputed_tokens))
-
-    @staticmethod
-    def _add(step: _Step, s: ScheduledSeq, cow: tuple[int, int] | None = None) -> None:
-        (step.prefills if s.is_prefill else step.decodes).append(s)
-        step.tokens -= s.num_tokens
-        step.scheduled[s.seq.seq_id] = (s, cow)
-
-    @staticmethod
-    def _caught_up(seq: Sequence, step: _Step) -> bool:
-        """Whether the sibling whose prompt blocks `seq` shares (`waits_for`) will have computed
-        them by the end of this step (every layer writes the step's K/V before attending)."""
-        if seq.waits_for is None:
-            return True
-        lead, shared = seq.waits_for
-        if lead.num_computed_tokens >= shared:
-            seq.waits_for = None
-            return True
-        return step.computed_after(lead) >= shared
-
-    @staticmethod
-    def _is_prefilling(seq: Sequence) -> bool:
-        """Whether a running sequence is part way through a prefill: it has sampled nothing
-        yet, or more than its last token is uncomputed (a recompute).
-        NOTE: a recomputed sequence with only its last token left is simply decoded."""
-        return not seq.output_token_ids or seq.num_uncomputed_tokens > 1
-
-    def _chunk_size(self, seq: Sequence, budget: int) -> int:
-        """How many of the sequence's uncomputed tokens to compute within `budget`: all if they
-        fit; otherwise the budget, cut back so the chunk ends on a block boundary unless that
-        leaves nothing. 0 when the budget is spent."""
-        n = seq.num_uncomputed_tokens
-        if n <= budget:
-            return n
-        if budget <= 0:
-            return 0
-        bs = self.block_manager.block_size
-        end = (seq.num_computed_tokens + budget) // bs * bs
-        return end - seq.num_computed_tokens if end > seq.num_computed_tokens else budget
-
+        return group.is_beam_search or logprobs_pending(group)
 
 def _insert(queue, group: SequenceGroup) -> None:
     """Put `group` in a queue kept in priority order (at the end when it is the newest)."""

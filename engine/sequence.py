@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import enum
 import itertools
+import random
 import time
 
-import torch
 
 from engine.beam_state import BeamState
 from engine.outputs import Logprob, OutputKind, RequestMetrics
@@ -42,12 +42,13 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_LENGTH: "length",
 }
 
+_SWAPPED = SequenceStatus.SWAPPED
 _seq_ids = itertools.count()
 _group_numbers = itertools.count()  # admission order, breaks ties between equal arrival times
 
 
 class Sequence:
-    def __init__(self, prompt_token_ids: list[int], index: int = 0, generator: torch.Generator | None = None):
+    def __init__(self, prompt_token_ids: list[int], index: int = 0, generator=None):
         self.seq_id = next(_seq_ids)
         self.index = index  # which choice of the request this is
         self.prompt_token_ids = prompt_token_ids
@@ -58,7 +59,7 @@ class Sequence:
         self.output_logprobs: list[dict[int, Logprob]] = []
         self.output_text = ""
         self.stop_reason: str | int | None = None
-        self.generator = generator
+        self.generator = generator  # a random.Random seeded for this sample, or None (engine/sampler.py)
         self.detokenizer = None  # engine.tokenizer.IncrementalDetokenizer, set by the engine
         self.grammar = None  # engine.structured_output.GrammarState under structured outputs
         # Set by BlockManager.allocate when this sequence was admitted together with a sibling
@@ -98,7 +99,7 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self) - self.num_computed_tokens
 
-    def fork(self, index: int, generator: torch.Generator | None) -> "Sequence":
+    def fork(self, index: int, generator) -> "Sequence":
         child = Sequence(self.prompt_token_ids, index, generator)
         child.output_token_ids = list(self.output_token_ids)
         child.status = self.status
@@ -133,7 +134,7 @@ class SequenceGroup:
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         # The scheduler's order: first come, first served (ties by creation order).
         self.priority = (self.arrival_time, next(_group_numbers))
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        gen = random.Random(params.seed) if params.seed is not None else None
         self.seqs: list[Sequence] = [Sequence(prompt_token_ids, 0, gen)]
         self.metrics = RequestMetrics(arrival_time=self.arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.num_preemptions = 0
@@ -164,16 +165,21 @@ class SequenceGroup:
         started = self.beam_state is not None if self.params.use_beam_search else self.forked
         return len(self.unfinished_seqs) if started else self.params.best_of
 
+    # NOTE: these run for every request at every step; statuses compare as ints (an IntEnum),
+    # and the common one-sequence request takes no generator.
     def seqs_with_status(self, status: SequenceStatus) -> list[Sequence]:
         return [s for s in self.seqs if s.status == status]
 
     @property
     def unfinished_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.status.is_finished]
+        return [s for s in self.seqs if s.status <= _SWAPPED]
 
     @property
     def is_finished(self) -> bool:
-        return all(s.status.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return seqs[0].status > _SWAPPED
+        return all(s.status > _SWAPPED for s in seqs)
 
     def set_status(self, status: SequenceStatus) -> None:
         for s in self.unfinished_seqs:

@@ -54,11 +54,13 @@ class StatsCollector:
         """The state after the step that ran `out`, with the step's events (which it clears)."""
         bm, sched = self.block_manager, self.scheduler
         total_slots = filled = 0
+        tables, bs, running = bm.tables, bm.block_size, SequenceStatus.RUNNING
         for group in sched.running:
-            for seq in group.seqs_with_status(SequenceStatus.RUNNING):
-                slots = len(bm.tables.get(seq.seq_id, ())) * bm.block_size
-                total_slots += slots
-                filled += min(len(seq), slots)
+            for seq in group.seqs:
+                if seq.status == running:
+                    slots = len(tables[seq.seq_id]) * bs
+                    total_slots += slots
+                    filled += min(len(seq.prompt_token_ids) + len(seq.output_token_ids), slots)
         dev, cpu = bm.device, bm.cpu
         stats = EngineStats(
             num_running=len(sched.running),

@@ -42,7 +42,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
     """Build the app. `engine_factory()` returns a loaded `LLMEngine` (called on the engine
     thread); `on_load_failure(exc)` runs on the event loop if it raises (e.g. to exit 1)."""
     engine = AsyncEngine(engine_factory, max_queued_requests=settings.max_queued_requests,
-                         stall_timeout=settings.engine_stall_timeout)
+                         stall_timeout=settings.engine_stall_timeout, freeze_gc=True)
     ctx = ServerContext(settings=settings, engine=engine)
     engine.on_ready = lambda llm: _on_engine_ready(ctx, llm)
 
@@ -87,7 +87,6 @@ def _on_engine_ready(ctx: ServerContext, llm: Any) -> None:
     config = llm.model_config
     ctx.model_name = config.served_model_name
     ctx.max_model_len = config.max_model_len
-    ctx.tokenizer = llm.tokenizer
     ctx.vocab_size = len(llm.tokenizer) if llm.tokenizer is not None else config.hf_config.vocab_size
     ctx.inputs = InputProcessor(llm.tokenizer, vocab_size=ctx.vocab_size, max_model_len=ctx.max_model_len,
                                 chat_template=ctx.settings.chat_template,

@@ -21,8 +21,9 @@ class ServerContext:
     model_name: str | None = None
     max_model_len: int | None = None
     vocab_size: int | None = None
-    tokenizer: Any = None  # the engine's; the routes use `inputs`, which holds its own copy
-    inputs: Any = None  # server.input_processor.InputProcessor, once the model has loaded
+    # server.input_processor.InputProcessor, once the model has loaded: the server's one way to
+    # the tokenizer (it holds its own copy; the engine detokenizes with the engine's)
+    inputs: Any = None
     metrics: Any = None  # server.observability.Metrics, or the fallback
     created: int = 0  # unix time the model finished loading (for /v1/models)
     draining: bool = False  # SIGTERM received: new requests get 503

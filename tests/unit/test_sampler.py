@@ -75,10 +75,12 @@ def test_empty_batch(sampler):
 def test_greedy_is_argmax_first_maximum(sampler):
     logits = random_logits(8)
     logits[3, 10] = logits[3, 20] = logits[3].max() + 1.0  # a tie: the first index wins, as in HF
-    out = sampler(logits, [row(temperature=0.0) for _ in range(8)])
+    out = sampler(logits, [row(temperature=0.0, logprobs=0) for _ in range(8)])
     assert [r.token_id for r in out] == logits.argmax(dim=-1).tolist()
     assert out[3].token_id == 10
     assert all(r.rank == 1 for r in out)
+    # NOTE: without logprobs (or best_of ranking), nothing is scored over the vocabulary.
+    assert [r.logprob for r in sampler(logits[:1], [row(temperature=0.0)])] == [None]
 
 
 def test_tiny_temperature_is_greedy(sampler):
@@ -90,7 +92,7 @@ def test_tiny_temperature_is_greedy(sampler):
 def test_logit_bias_adds(sampler):
     logits = torch.zeros(1, VOCAB)
     logits[0, 0] = 5.0
-    out = sampler(logits, [row(temperature=0.0, logit_bias={7: 6.0, 0: -1.0, VOCAB + 5: 100.0})])
+    out = sampler(logits, [row(temperature=0.0, logprobs=0, logit_bias={7: 6.0, 0: -1.0, VOCAB + 5: 100.0})])
     assert out[0].token_id == 7
     adjusted = sampler.adjusted_logits(logits, [row(logit_bias={7: 6.0, 0: -1.0})])
     assert adjusted[0, 7].item() == 6.0 and adjusted[0, 0].item() == 4.0
@@ -321,7 +323,7 @@ def test_logprobs_are_raw_with_rank_and_top_alternatives(sampler):
         row(temperature=0.0, logprobs=5, logit_bias={17: 100.0}),  # forced to a low-ranked token
         row(temperature=0.3, logprobs=0, repetition_penalty=1.5, prompt=[1, 2]),
         row(temperature=1.0, top_k=3, logprobs=2, seed=1),
-        row(temperature=1.0),
+        row(temperature=1.0, n=1, best_of=2),  # scored for the best_of ranking
     ]
     out = sampler(logits, rows)
     assert out[0].token_id == 17
@@ -338,7 +340,7 @@ def test_logprobs_are_raw_with_rank_and_top_alternatives(sampler):
 
 def test_logprobs_of_half_precision_logits(sampler):
     logits = random_logits(2, vocab=300, seed=8).to(torch.bfloat16)
-    out = sampler(logits, [row(temperature=0.0, logprobs=1), row(temperature=0.9, seed=3)])
+    out = sampler(logits, [row(temperature=0.0, logprobs=1), row(temperature=0.9, seed=3, logprobs=0)])
     assert out[0].token_id == int(logits[0].float().argmax())
     assert out[0].top_logprobs[0][0] == out[0].token_id
     assert all(math.isfinite(r.logprob) and r.logprob <= 0 for r in out)
@@ -399,3 +401,18 @@ def test_drawn_token_is_allowed(
     else:
         allowed = hf_warped(adjusted, r.params)[0] > 0
         assert allowed[token]
+
+
+@pytest.mark.parametrize("params", [dict(top_p=0.6), dict(top_p=0.3, top_k=8), dict(top_p=0.8, min_p=0.05),
+                                    dict(top_p=0.9, temperature=3.0)], ids=str)
+def test_top_p_by_rejection_draws_from_the_exact_nucleus(sampler, params):
+    """The sampler applies top-p by rejection (no sort of the vocabulary); its draws follow the
+    exact distribution `_sampling_probs` computes with the sorted cut-off, and never leave it."""
+    params = {"temperature": 1.0, **params}
+    logits = random_logits(1, vocab=50, seed=12, scale=1.5).expand(20000, -1)
+    exact = _sampling_probs(logits[:1], [SamplingParams(**params)])[0]
+    torch.manual_seed(0)
+    tokens = torch.tensor([r.token_id for r in sampler(logits, [row(**params) for _ in range(20000)])])
+    freq = torch.bincount(tokens, minlength=50).float() / 20000
+    assert (freq[exact == 0] == 0).all()  # never outside the nucleus (and the other filters)
+    torch.testing.assert_close(freq, exact, rtol=0, atol=0.015)

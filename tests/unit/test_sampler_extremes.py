@@ -13,7 +13,7 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import Sampler, SamplingRow, _sampling_probs
+from engine.sampler import Sampler, SamplingRow, _sampling_probs, needs_scores
 from engine.sampling_params import SamplingParams
 
 INF, NAN = float("inf"), float("nan")
@@ -201,8 +201,11 @@ def test_sampler_with_extreme_params(source, vocab, data_seed, scale, neg_inf, m
         assert adjusted[0, result.token_id] > -INF
     if p.is_greedy and not all_masked:
         assert result.token_id == int(adjusted.argmax())
-    assert math.isfinite(result.logprob) or (result.logprob == -INF and raw[0, result.token_id] == -INF)
-    assert not math.isnan(result.logprob) and result.rank >= 1
+    if not needs_scores(p):  # nothing to score: no vocabulary pass
+        assert result.logprob is None and result.rank is None
+    else:
+        assert math.isfinite(result.logprob) or (result.logprob == -INF and raw[0, result.token_id] == -INF)
+        assert not math.isnan(result.logprob) and result.rank >= 1
 
     if not p.is_greedy:
         probs = _sampling_probs(adjusted, [p])
@@ -231,8 +234,8 @@ def test_extreme_repetition_penalty_gives_no_nan_or_inf(penalty):
 
 def test_every_token_masked_falls_back_to_the_raw_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0, 0.5]] * 2)
-    rows = [SamplingRow(SamplingParams(temperature=t, seed=1), [], [], torch.Generator().manual_seed(1), {0, 1, 2, 3})
-            for t in (0.0, 1.0)]
+    rows = [SamplingRow(SamplingParams(temperature=t, seed=1, logprobs=0), [], [], torch.Generator().manual_seed(1),
+                        {0, 1, 2, 3}) for t in (0.0, 1.0)]
     out = Sampler()(logits, rows)
     assert [r.token_id for r in out] == [1, 1]
     assert all(math.isfinite(r.logprob) for r in out)

@@ -1,0 +1,63 @@
+"""Per-step engine work grows with what is new, not with how long a sequence already is: a
+2,000-token stream on the tiny dummy model, counting the work (block hashes computed, tokens
+reported, block tables copied), never timing it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.config import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.outputs import OutputKind
+from engine.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[2]
+NEW_TOKENS = 2000
+
+
+def tiny_engine(tmp_path: Path) -> LLMEngine:
+    config = json.loads((REPO / "configs/models/tiny-4kv.json").read_text())
+    config["max_position_embeddings"] = 4096
+    path = tmp_path / "tiny-4kv-4k.json"
+    path.write_text(json.dumps(config))
+    args = EngineArgs(model=str(path), load_format="dummy", max_model_len=2200, kv_cache_memory="64MiB",
+                      enable_prefix_caching=True)
+    return LLMEngine(args.create_engine_config())
+
+
+def test_a_long_stream_costs_the_same_per_step_at_its_end_as_at_its_start(tmp_path):
+    engine = tiny_engine(tmp_path)
+    bm = engine.block_manager
+    prompt = [(7 * k) % 1000 + 3 for k in range(100)]
+    engine.add_request("long", prompt, SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, ignore_eos=True, seed=1),
+                       output_kind=OutputKind.DELTA)
+    group = engine.requests["long"]
+    seq = group.seqs[0]
+    hashes, reported, copied_tables = [], [], 0
+    schedule = engine.scheduler.schedule
+
+    def checked_schedule():
+        nonlocal copied_tables
+        out = schedule()
+        copied_tables += sum(s.block_table is not bm.tables[s.seq.seq_id] for s in out.scheduled)
+        return out
+
+    engine.scheduler.schedule = checked_schedule
+    while engine.has_unfinished_requests():
+        before = bm.num_hashes
+        outputs = engine.step()
+        hashes.append(bm.num_hashes - before)
+        reported.append(sum(len(c.token_ids) for o in outputs for c in o.outputs))
+    assert len(seq.output_token_ids) == NEW_TOKENS
+    # Every token is reported once, in the step that made it: deltas, never the whole so far.
+    assert sum(reported) == NEW_TOKENS and max(reported) == 1
+    # A block's hash is computed once, when it fills: at most one per step, and as many in all
+    # as the sequence has full blocks (its prompt's at admission, then one every 16 tokens).
+    full_blocks = (len(prompt) + NEW_TOKENS - 1) // bm.block_size
+    assert sum(hashes) == full_blocks and max(hashes[1:]) <= 1
+    late, early = hashes[-400:], hashes[1:401]
+    assert sum(late) <= sum(early) + 1  # no more work at 1,600+ tokens than at 1+
+    assert copied_tables == 0  # the runner reads the block manager's tables as they are
+    bm.check_integrity()
+    assert not bm.tables
