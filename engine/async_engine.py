@@ -257,6 +257,10 @@ class AsyncEngine(EngineThread):
         two steps; EngineDeadError / EngineNotReadyError when it cannot run."""
         return await self._call(lambda: self.engine.block_map())
 
+    async def request_blocks(self, request_id: str) -> dict | None:
+        """One request's block tables (`EngineCore.request_blocks`), as `block_map` runs."""
+        return await self._call(lambda: self.engine.request_blocks(request_id))
+
     async def _call(self, fn: Callable[[], T]) -> T:
         """Run `fn()` on the engine thread between two steps and return its result."""
         if self.state is not EngineState.READY:

@@ -32,6 +32,9 @@ class EngineCore(Protocol):
         """Raise (an exception marked `fatal`) if steps can no longer run."""
 
     def block_map(self) -> dict:
-        """The KV pool, block by block, for the dashboard (built on demand)."""
+        """The KV pool, block by block, for the dashboard (built on demand): engine/kv_view.py."""
+
+    def request_blocks(self, request_id: str) -> dict | None:
+        """One request's block tables (engine/kv_view.py `request_tables`); None once it is gone."""
 
     def shutdown(self) -> None: ...

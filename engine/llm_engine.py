@@ -14,7 +14,7 @@ import time
 import torch
 
 from cuda_ext import ops
-from engine import prompt_logprobs
+from engine import kv_view, prompt_logprobs
 from engine.beam_search import BeamContext, beam_search_step
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs, EngineConfig
@@ -317,18 +317,7 @@ class LLMEngine:
         }
 
     def block_map(self) -> dict:
-        states, refs, cpu = self.block_manager.block_states()
-        s = self.last_stats
-        return {
-            "block_size": self.block_manager.block_size,
-            "num_blocks": len(states),
-            "num_cpu_blocks": len(cpu),
-            "blocks": states,
-            "ref_counts": refs,
-            "cpu_blocks": cpu,
-            "usage": s.kv_cache_usage,
-            "fragmentation": s.kv_internal_fragmentation,
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
-            "num_swapped": s.num_swapped,
-        }
+        return kv_view.block_map(self.scheduler, self.last_stats)
+
+    def request_blocks(self, request_id: str) -> dict | None:
+        return kv_view.request_tables(self.scheduler, request_id)

@@ -60,6 +60,7 @@ from itertools import chain
 
 from engine.block_manager import AdmissionPlan, AllocStatus, BlockManager
 from engine.config import SchedulerConfig
+from engine.kv_view import KvEventLog
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.step_plan import StepPlan, logprobs_pending
@@ -83,6 +84,7 @@ class Scheduler:
         self.num_preemptions = {"swap": 0, "recompute": 0}
         self.swapped_blocks = {"in": 0, "out": 0}  # cumulative block counts
         self.dropped: list[SequenceGroup] = []  # failed by the scheduler, not yet reported by the engine
+        self.events = KvEventLog()  # copy-on-writes and preemptions, for the dashboard
 
     # ---------------------------------------------------------------- queue ops
     def add(self, group: SequenceGroup) -> None:
@@ -193,6 +195,11 @@ class Scheduler:
         out.scheduled = step.prefills + step.decodes
         for s in out.scheduled:
             s.block_table = self.block_manager.block_table(s.seq)
+        if out.blocks_to_copy:
+            for s, cow in step.scheduled.values():
+                if cow is not None:
+                    self.events.record("cow", s.group.request_id, seq_index=s.seq.index, src=cow[0], dst=cow[1],
+                                       logical_block=s.block_table.index(cow[1]))
         out.num_batched_tokens = sum(s.num_tokens for s in out.scheduled)
         return out
 
@@ -246,6 +253,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens, seq.status, seq.waits_for = 0, _WAITING, None
         self._count_preemption(group, step.out, "recompute", f"parked sample {seq.index} of")
+        self.events.record("park", group.request_id, seq_index=seq.index)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         bm = self.block_manager
@@ -257,12 +265,14 @@ class Scheduler:
                 seq.status = _SWAPPED
             _insert(self.swapped, group)
             mode = "swap"
+            self.events.record("swap_out", group.request_id, num_blocks=len(mapping))
         else:
             for seq in group.unfinished_seqs:
                 bm.free(seq)
                 seq.num_computed_tokens, seq.status, seq.waits_for = 0, _WAITING, None
             _insert(self.waiting, group)
             mode = "recompute"
+            self.events.record("recompute", group.request_id)
         self._count_preemption(group, out, mode, "preempted")
 
     def _count_preemption(self, group: SequenceGroup, out: SchedulerOutput, mode: str, what: str) -> None:
@@ -370,6 +380,7 @@ class Scheduler:
         mapping = self.block_manager.swap_in(group)
         step.out.blocks_to_swap_in.extend(mapping)
         self.swapped_blocks["in"] += len(mapping)
+        self.events.record("swap_in", group.request_id, num_blocks=len(mapping))
         for seq in group.seqs_with_status(_SWAPPED):
             seq.status = _RUNNING
 

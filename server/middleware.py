@@ -34,10 +34,14 @@ class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...]) -> None:
         self.app = app
         self.expected = api_key.encode()
-        self.open_paths = set(open_paths)
+        # NOTE: an entry ending in "/" opens every path under it (/kv/requests/{id})
+        self.open_paths = {p for p in open_paths if not p.endswith("/")}
+        self.open_prefixes = tuple(p for p in open_paths if p.endswith("/"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in self.open_paths:
+        path = scope.get("path", "")
+        if (scope["type"] != "http" or scope["method"] == "OPTIONS" or path in self.open_paths
+                or (self.open_prefixes and path.startswith(self.open_prefixes))):
             return await self.app(scope, receive, send)
         given = _header_values(scope, b"authorization")
         if len(given) > 1:

@@ -1,5 +1,6 @@
-"""Operator routes: GET /metrics (Prometheus), GET /kv/blocks (the block pool map, JSON) and
-GET /dashboard (the live block map page from server/static/)."""
+"""Operator routes: GET /metrics (Prometheus), GET /kv/blocks (the block pool map, JSON),
+GET /kv/requests/{request_id} (one request's block tables, JSON) and GET /dashboard (the live
+block map page from server/static/)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ router = APIRouter()
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 # Routes that --metrics-public opens without the API key (the dashboard page polls /kv/blocks).
-OPS_PATHS = ("/metrics", "/kv/blocks", "/dashboard")
+OPS_PATHS = ("/metrics", "/kv/blocks", "/kv/requests/", "/dashboard")
 
 
 @router.get("/metrics")
@@ -33,6 +34,18 @@ async def metrics(request: Request) -> Response:
 async def kv_blocks(request: Request) -> JSONResponse:
     ctx = get_ctx(request)
     return JSONResponse(await ctx.engine.block_map())
+
+
+@router.get("/kv/requests/{request_id}")
+async def kv_request(request_id: str, request: Request) -> JSONResponse:
+    """The block tables of one request that holds blocks (ids as /kv/blocks lists them); 404
+    once it has finished."""
+    ctx = get_ctx(request)
+    tables = await ctx.engine.request_blocks(request_id)
+    if tables is None:
+        raise OpenAIError(404, f"No request {request_id!r} holds KV blocks (it may have finished).",
+                          code="request_not_found")
+    return JSONResponse(tables)
 
 
 @router.get("/dashboard", include_in_schema=False)

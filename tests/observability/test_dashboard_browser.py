@@ -40,6 +40,9 @@ def block_map(blocks, ref_counts=None, cpu_blocks=(), **extra) -> dict:
         "num_running": extra.pop("num_running", 0),
         "num_waiting": extra.pop("num_waiting", 0),
         "num_swapped": extra.pop("num_swapped", 0),
+        "requests": extra.get("requests", []),
+        "num_requests_with_blocks": len(extra.get("requests", [])),
+        "events": extra.pop("events", []),
     }
 
 
@@ -57,6 +60,7 @@ class StandIn:
 
     def __init__(self, api_key: str | None = None):
         self.state = IDLE
+        self.tables: dict[str, dict] = {}  # request id -> its /kv/requests body
         self.status_code = 200  # anything else: answer with an error body instead
         self.polls = 0
         app = FastAPI()
@@ -73,6 +77,12 @@ class StandIn:
             if self.status_code != 200:
                 return JSONResponse({"error": {"message": "not now"}}, status_code=self.status_code)
             return self.state
+
+        @app.get("/kv/requests/{request_id}")
+        def kv_request(request_id: str):
+            if request_id not in self.tables:
+                return JSONResponse({"error": {"message": "gone"}}, status_code=404)
+            return self.tables[request_id]
 
         self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
@@ -191,3 +201,58 @@ def test_a_loading_server_is_reported_then_drawn(page):
         server.status_code = 200
         wait_for_updates(page, 1)
         assert "live" in page.inner_text("#status")
+
+
+def seq_table(index, blocks, refs, hits=(), pool="device", status="running"):
+    return {"index": index, "status": status, "num_tokens": 16 * len(blocks) - 3, "pool": pool,
+            "blocks": blocks, "ref_counts": refs,
+            "prefix_hit": [i < len(hits) and hits[i] for i in range(len(blocks))]}
+
+
+def test_selecting_a_request_shows_its_tables_and_highlights_its_blocks(page, screenshot_dir):
+    requests = [{"request_id": "cmpl-a-0", "status": "running", "num_seqs": 2, "num_blocks": 4,
+                 "beam_search": False},
+                {"request_id": "cmpl-b-0", "status": "swapped", "num_seqs": 1, "num_blocks": 2,
+                 "beam_search": False}]
+    events = [{"id": 1, "time": 1.7e9, "kind": "cow", "request_id": "cmpl-a-0", "seq_index": 1,
+               "logical_block": 2, "src": 11, "dst": 40, "num_blocks": None},
+              {"id": 2, "time": 1.7e9 + 1, "kind": "swap_out", "request_id": "cmpl-b-0", "seq_index": None,
+               "logical_block": None, "src": None, "dst": None, "num_blocks": 2}]
+    busy = block_map([USED] * 10 + [SHARED] * 2 + [FREE] * 52, ref_counts=[1] * 10 + [2, 2] + [0] * 52,
+                     cpu_blocks=[SWAPPED] * 2 + [CPU_FREE] * 14, requests=requests, events=events)
+    with StandIn() as server:
+        server.state = busy
+        server.tables["cmpl-a-0"] = {
+            "request_id": "cmpl-a-0", "status": "running", "block_size": 16, "num_cached_tokens": 16,
+            "sequences": [seq_table(0, [10, 11, 3], [2, 2, 1], hits=[True]),
+                          seq_table(1, [10, 11, 40], [2, 2, 1], hits=[True])]}
+        page.goto(server.url("?interval=200"))
+        page.wait_for_selector("#request-list li[data-request-id='cmpl-b-0']")
+        assert page.locator("#request-list li").count() == 2
+        assert "swapped" in page.inner_text("#request-list li[data-request-id='cmpl-b-0']")
+        # The event log: newest first, each event said in words.
+        log = page.locator("#event-log li")
+        assert log.count() == 2 and log.nth(0).get_attribute("data-kind") == "swap_out"
+        assert "logical block 2 copied, physical 11 → 40" in log.nth(1).inner_text()
+
+        page.click("#request-list li[data-request-id='cmpl-a-0']")
+        page.wait_for_function("document.querySelectorAll('#tables .seq-table').length == 2")
+        rows = page.locator("#tables .seq-table")
+        assert [rows.nth(i).locator(".map").count() for i in range(2)] == [3, 3]
+        assert rows.nth(0).locator(".map.shared").count() == 2  # blocks 10 and 11, ref count 2
+        assert rows.nth(1).locator(".map.hit").count() == 1
+        assert rows.nth(1).locator(".map").nth(2).inner_text() == "2→40"
+        selected = page.eval_on_selector_all(
+            "#device-grid .block.selected", "cells => cells.map(c => [...c.parentNode.children].indexOf(c))")
+        assert sorted(selected) == [3, 10, 11, 40]
+        assert page.locator("#request-list li.selected").count() == 1
+        page.screenshot(path=str(screenshot_dir / "dashboard-standin-tables.png"), full_page=True)
+
+        # The request finishes: its tables go, and so does the highlight.
+        del server.tables["cmpl-a-0"]
+        server.state = IDLE
+        page.wait_for_function("document.querySelectorAll('#tables .seq-table').length == 0")
+        assert "may have finished" in page.inner_text("#selected-title")
+        assert page.locator("#device-grid .block.selected").count() == 0
+        assert page.locator("#request-list li").count() == 0
+    assert page.js_errors == []

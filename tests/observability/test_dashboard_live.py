@@ -1,5 +1,6 @@
 """The KV block map page against the real daemon, in headless Chromium: while streaming
-requests run the grid shows blocks in use, and once they end it shows none."""
+requests run the grid shows blocks in use and none once they end; a running n=3 request's
+block tables share its prompt blocks and disappear when it finishes."""
 
 from __future__ import annotations
 
@@ -46,22 +47,20 @@ def test_grid_shows_blocks_while_requests_run_and_none_after(live_server, page, 
     assert page.js_errors == []
 
 
-def test_parallel_sampling_shows_shared_blocks_with_their_ref_count(live_server, page,
-                                                                   screenshot_dir):
-    """n=3 forks one prompt into three sequences: the prompt's full blocks are shared by all
-    three (ref count 3) until the request ends."""
+def test_an_n3_request_shows_three_tables_sharing_its_prompt_blocks(live_server, page, screenshot_dir):
+    """Selecting a running n=3 request shows three block tables whose prompt blocks are the
+    same physical blocks (ref count 3), highlighted in the pool; the copy-on-write of the shared
+    partial block is in the event log; the tables disappear once the request has finished."""
     import httpx
-
-    from tests.observability.obs_support import run_in_threads
 
     url, model = live_server.url, live_server.model()
     prompt = ("Once upon a time in a small village at the edge of a great dark forest there "
-              "lived an old woodcutter and his")  # more than one 16-token block
+              "lived an old woodcutter and his")  # a full 16-token block and a partial one
 
     def sample_three() -> dict:
         response = httpx.post(f"{url}/v1/completions", timeout=300, json={
-            "model": model, "prompt": prompt, "max_tokens": 24, "n": 3, "temperature": 1.0,
-            "seed": 1})
+            "model": model, "prompt": prompt, "max_tokens": 64, "n": 3, "temperature": 1.0,
+            "seed": 2, "ignore_eos": True})
         response.raise_for_status()
         return response.json()
 
@@ -69,13 +68,33 @@ def test_parallel_sampling_shows_shared_blocks_with_their_ref_count(live_server,
     page.wait_for_function("Number(document.body.dataset.updates || 0) >= 1", timeout=30_000)
     threads, results = run_in_threads(sample_three, [()])
     try:
-        page.wait_for_function(
-            "[...document.querySelectorAll('#device-grid .block.shared')]"
-            ".some(b => b.textContent === '3')", timeout=120_000)
-        page.screenshot(path=str(screenshot_dir / "dashboard-live-shared.png"), full_page=True)
+        page.wait_for_selector("#request-list li", timeout=120_000)
+        page.click("#request-list li")
+        page.wait_for_function("document.querySelectorAll('#tables .seq-table').length == 3",
+                               timeout=60_000)
+        tables = page.eval_on_selector_all(
+            "#tables .seq-table",
+            "rows => rows.map(r => [...r.querySelectorAll('.map')].map(m => "
+            "[Number(m.dataset.physical), m.classList.contains('shared')]))")
+        first = [physical for physical, _ in tables[0]]
+        assert len(first) >= 2
+        for table in tables:
+            physical = [p for p, _ in table]
+            # the prompt's full block: the same physical block in all three, marked shared
+            assert physical[0] == first[0] and table[0][1]
+        # ... and the pool map shows its ref count
+        assert page.locator("#device-grid .block").nth(first[0]).inner_text() == "3"
+        highlighted = page.eval_on_selector_all(
+            "#device-grid .block.selected", "cells => cells.map(c => [...c.parentNode.children].indexOf(c))")
+        assert set(highlighted) == {p for table in tables for p, _ in table}
+        page.wait_for_selector("#event-log li[data-kind='cow']", timeout=30_000)
+        page.screenshot(path=str(screenshot_dir / "dashboard-live-tables.png"), full_page=True)
     finally:
         threads[0].join(timeout=300)
     assert not isinstance(results[0], Exception), results[0]
     assert len(results[0]["choices"]) == 3
-    page.wait_for_function(f"{IN_USE} == 0", timeout=30_000)
+    page.wait_for_function("document.querySelectorAll('#tables .seq-table').length == 0", timeout=30_000)
+    page.wait_for_function("document.querySelectorAll('#request-list li').length == 0", timeout=30_000)
+    assert "may have finished" in page.inner_text("#selected-title")
+    page.screenshot(path=str(screenshot_dir / "dashboard-live-tables-after.png"), full_page=True)
     assert page.js_errors == []

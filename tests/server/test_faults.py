@@ -118,6 +118,7 @@ def test_api_key_from_env_and_public_metrics(guarded):
     assert httpx.get(guarded.url + "/health").status_code == 200
     assert httpx.get(guarded.url + "/metrics").status_code == 200  # --metrics-public
     assert httpx.get(guarded.url + "/kv/blocks").status_code == 200
+    assert_error(httpx.get(guarded.url + "/kv/requests/gone"), 404)  # open too, and it has finished
     assert_error(httpx.get(guarded.url + "/v1/models"), 401)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=guarded.url + "/v1", api_key="wrong", max_retries=0).models.list()
@@ -135,7 +136,7 @@ def test_api_key_flag_guards_metrics_unless_public():
 
     app = create_app(parse_args(["--api-key", "sekret"]).settings, never_built)
     client = TestClient(app)  # NOTE: not as a context manager: the lifespan (engine start) never runs
-    for path in ("/metrics", "/kv/blocks", "/v1/models", "/version"):
+    for path in ("/metrics", "/kv/blocks", "/kv/requests/cmpl-1-0", "/v1/models", "/version"):
         assert_error(client.get(path), 401)
         assert client.get(path, headers={"Authorization": "Bearer sekret"}).status_code != 401
     assert client.get("/health").status_code == 503  # open, and says the engine is not ready

@@ -38,11 +38,12 @@ from tests.server.support import wait_pool_free
 TIMEOUT_S = 60  # one request; past it the server counts as hung
 GENERATING = {"POST /v1/completions", "POST /v1/chat/completions"}
 WITH_INPUTS = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
-               "GET /v1/models/{model}"]
+               "GET /v1/models/{model}", "GET /kv/requests/{request_id}"]
 WITHOUT_INPUTS = ["GET /health", "GET /version", "GET /v1/models", "GET /metrics", "GET /kv/blocks"]
 # Requests per generation mode (positive and negative) and endpoint, in CI.
 CI_EXAMPLES = {"POST /v1/completions": 20, "POST /v1/chat/completions": 20, "POST /tokenize": 40,
-               "POST /detokenize": 40, "GET /v1/models/{model}": 40}
+               "POST /detokenize": 40, "GET /v1/models/{model}": 40,
+               "GET /kv/requests/{request_id}": 20}
 STATS: dict[str, Counter] = {}
 
 
