@@ -19,6 +19,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from engine.async_engine import AsyncEngine, EngineDeadError
 from server.context import ServerContext
 from server.errors import install_error_handlers
+from server.generation_defaults import load_generation_defaults
 from server.input_processor import InputProcessor
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from server.protocol import now
@@ -92,6 +93,13 @@ def _on_engine_ready(ctx: ServerContext, llm: Any) -> None:
                                 chat_template=ctx.settings.chat_template,
                                 max_prompt_tokens=ctx.settings.max_prompt_tokens_per_request,
                                 grammars=llm.structured_outputs)
+    ctx.generation_defaults, ctx.generation_config_file = load_generation_defaults(
+        ctx.settings.generation_config, config.path)
+    if ctx.generation_defaults:
+        logger.info("Generation defaults from %s: %s", ctx.generation_config_file,
+                    ", ".join(f"{k}={v}" for k, v in ctx.generation_defaults.items()))
+    else:
+        logger.info("Generation defaults: none (--generation-config %s)", ctx.settings.generation_config)
     ctx.created = now()
     try:
         ctx.metrics = make_metrics(ctx.model_name, llm.cache_info())

@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--metrics-public", action="store_true", default=False,
                      help="serve /metrics, /kv/blocks and /dashboard without the API key")
     net.add_argument("--chat-template", default=None, help="Jinja chat template: a file path or the template itself")
+    net.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
+                     help="sampling defaults for requests that leave them out: 'auto' takes the "
+                          "model directory's generation_config.json (temperature, top_p, top_k, "
+                          "min_p, repetition_penalty, max_new_tokens as max_tokens), 'vllm' none, "
+                          "or a folder or file holding a generation_config.json")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     net.add_argument("--disable-uvicorn-access-log", action="store_true", default=False)
     net.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -180,6 +185,17 @@ def _chat_template(value: str | None) -> str | None:
     return value
 
 
+def _generation_config(value: str) -> str:
+    """'auto', 'vllm', or a path that exists (checked now rather than after the model loads)."""
+    if value in ("auto", "vllm"):
+        return value
+    path = Path(value).expanduser()
+    if not (path / "generation_config.json").is_file() and not path.is_file():
+        raise SystemExit(f"--generation-config: {value!r} is neither 'auto', 'vllm', nor a folder or file "
+                         "with a generation_config.json")
+    return str(path)
+
+
 def parse_args(argv: list[str] | None = None) -> CliConfig:
     parser = build_parser()
     pre, _ = parser.parse_known_args(argv)
@@ -196,6 +212,7 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         allowed_origins=_origins(args.allowed_origins),
         chat_template=_chat_template(args.chat_template),
+        generation_config=_generation_config(args.generation_config),
         metrics_public=args.metrics_public,
         max_logprobs=args.max_logprobs,
         max_n=args.max_n,

@@ -26,6 +26,9 @@ class ServerContext:
     inputs: Any = None
     metrics: Any = None  # server.observability.Metrics, or the fallback
     created: int = 0  # unix time the model finished loading (for /v1/models)
+    # Sampling defaults from --generation-config (server/generation_defaults.py) and their file.
+    generation_defaults: dict = field(default_factory=dict)
+    generation_config_file: str | None = None
     draining: bool = False  # SIGTERM received: new requests get 503
     extra: dict = field(default_factory=dict)
 

@@ -388,6 +388,10 @@ class ModelCard(_Response):
     owned_by: str = "paged-serve"
     root: str | None = None
     max_model_len: int
+    # The sampling defaults a request that leaves those fields out gets (--generation-config),
+    # and the generation_config.json they came from.
+    generation_defaults: dict[str, float | int] = {}
+    generation_config: str | None = None
 
 
 class ModelList(_Response):

@@ -15,7 +15,8 @@ from server.tools import ToolPlan
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _common_checks(req: _SamplingFields, settings: ServerSettings, vocab_size: int | None) -> dict:
+def _common_checks(req: _SamplingFields, settings: ServerSettings, vocab_size: int | None,
+                   defaults: dict) -> dict:
     n = 1 if req.n is None else req.n
     if n < 1:
         raise bad_request(f"n must be at least 1, got {n}.", param="n")
@@ -34,7 +35,7 @@ def _common_checks(req: _SamplingFields, settings: ServerSettings, vocab_size: i
         raise bad_request("stream_options can only be set when stream is true.", param="stream_options")
     if req.seed is not None and not _INT64_MIN <= req.seed <= _INT64_MAX:
         raise bad_request("seed must be a 64-bit signed integer.", param="seed")
-    top_k = req.top_k
+    top_k = req.top_k if req.top_k is not None else defaults.get("top_k")
     if top_k is not None and vocab_size is not None and top_k >= vocab_size:
         top_k = -1  # the whole vocabulary: no top-k restriction
     stop = _stop_strings(req, settings)
@@ -69,6 +70,10 @@ def _common_checks(req: _SamplingFields, settings: ServerSettings, vocab_size: i
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                     repetition_penalty=req.repetition_penalty)
     kwargs.update({k: v for k, v in optional.items() if v is not None})
+    # The model's generation defaults (--generation-config) fill the fields the request left out.
+    for k, v in defaults.items():
+        if k != "max_tokens":
+            kwargs.setdefault(k, v)
     return kwargs
 
 
@@ -169,13 +174,18 @@ def _build(kwargs: dict) -> SamplingParams:
         raise from_value_error(exc) from None
 
 
-def completion_params(req: CompletionRequest, settings: ServerSettings, vocab_size: int | None) -> SamplingParams:
-    kwargs = _common_checks(req, settings, vocab_size)
+def completion_params(req: CompletionRequest, settings: ServerSettings, vocab_size: int | None,
+                      defaults: dict | None = None) -> SamplingParams:
+    """`defaults`: the sampling defaults from --generation-config (server/generation_defaults.py)."""
+    defaults = defaults or {}
+    kwargs = _common_checks(req, settings, vocab_size, defaults)
     if req.suffix:
         raise bad_request("suffix is not supported.", param="suffix")
     max_tokens = req.max_tokens
-    if max_tokens is None or "max_tokens" not in req.model_fields_set:
-        max_tokens = _default_max_tokens(max_tokens, settings)
+    if "max_tokens" not in req.model_fields_set:  # the model's max_new_tokens, else OpenAI's 16
+        max_tokens = _default_max_tokens(defaults.get("max_tokens", max_tokens), settings)
+    elif max_tokens is None:
+        max_tokens = _default_max_tokens(None, settings)
     _check_max_tokens(max_tokens, settings, "max_tokens")
     if req.logprobs is not None:
         if req.logprobs < 0:
@@ -206,11 +216,12 @@ def _prompt_logprobs(req: CompletionRequest, settings: ServerSettings) -> int:
 
 
 def chat_params(req: ChatCompletionRequest, settings: ServerSettings, vocab_size: int | None,
-                tools: ToolPlan | None = None) -> SamplingParams:
+                tools: ToolPlan | None = None, defaults: dict | None = None) -> SamplingParams:
     """`tools`: the request's checked tool plan (server/tools.py), whose constraint, if any,
-    becomes the guided decoding."""
+    becomes the guided decoding. `defaults`: as `completion_params` takes them."""
     _check_messages(req, settings)
-    kwargs = _common_checks(req, settings, vocab_size)
+    defaults = defaults or {}
+    kwargs = _common_checks(req, settings, vocab_size, defaults)
     if tools is not None and tools.mode != "none" and tools.functions:
         if "guided_decoding" in kwargs:
             fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
@@ -225,7 +236,7 @@ def chat_params(req: ChatCompletionRequest, settings: ServerSettings, vocab_size
             kwargs["guided_decoding"] = tools.guided
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
-        max_tokens = _default_max_tokens(None, settings)
+        max_tokens = _default_max_tokens(defaults.get("max_tokens"), settings)
     _check_max_tokens(max_tokens, settings,
                       "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     logprobs = None

@@ -12,6 +12,8 @@ class ServerSettings:
     api_key: str | None = None  # guards every route but /health (and /metrics & co. if public)
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers
     chat_template: str | None = None  # a Jinja template (the file's text when a path was given)
+    # Sampling defaults: "auto" (the model's generation_config.json), "vllm" (none) or a path.
+    generation_config: str = "auto"
     metrics_public: bool = False  # /metrics, /kv/blocks and /dashboard need no API key
     # Limits (each answered with a clear 4xx).
     max_logprobs: int = 20

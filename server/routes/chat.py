@@ -107,7 +107,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     model = ctx.check_model(req.model)
     plan = plan_tools(req, ctx.settings)
     messages = to_template_messages(req.messages)
-    params = chat_params(req, ctx.settings, ctx.vocab_size, plan)
+    params = chat_params(req, ctx.settings, ctx.vocab_size, plan, ctx.generation_defaults)
     prompt = await ctx.inputs.chat_prompt(messages, plan, params.max_tokens)
     tool_call = plan.guided is not None and params.guided_decoding is plan.guided
     (prompt,) = await ctx.inputs.with_grammars([prompt], params.guided_decoding,

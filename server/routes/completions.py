@@ -61,7 +61,7 @@ async def create_completion(req: CompletionRequest, request: Request) -> Respons
     require_ready(ctx)
     model = ctx.check_model(req.model)
     prompts = _prompts(req, ctx)
-    params = completion_params(req, ctx.settings, ctx.vocab_size)
+    params = completion_params(req, ctx.settings, ctx.vocab_size, ctx.generation_defaults)
     inputs = await ctx.inputs.completion_prompts(prompts, params.max_tokens, echo=bool(req.echo))
     inputs = await ctx.inputs.with_grammars(inputs, params.guided_decoding, constraint_param(req))
     request_id = random_id("cmpl")

@@ -43,8 +43,12 @@ async def version() -> dict:
 async def list_models(request: Request) -> ModelList:
     ctx = get_ctx(request)
     require_ready(ctx)
-    card = ModelCard(id=ctx.model_name, created=ctx.created, root=ctx.model_name, max_model_len=ctx.max_model_len)
-    return ModelList(data=[card])
+    return ModelList(data=[_card(ctx)])
+
+
+def _card(ctx) -> ModelCard:
+    return ModelCard(id=ctx.model_name, created=ctx.created, root=ctx.model_name, max_model_len=ctx.max_model_len,
+                     generation_defaults=ctx.generation_defaults, generation_config=ctx.generation_config_file)
 
 
 @router.get("/v1/models/{model:path}", response_model=ModelCard)
@@ -53,4 +57,4 @@ async def get_model(model: str, request: Request) -> ModelCard:
     require_ready(ctx)
     if model != ctx.model_name:
         raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-    return ModelCard(id=ctx.model_name, created=ctx.created, root=ctx.model_name, max_model_len=ctx.max_model_len)
+    return _card(ctx)
