@@ -106,7 +106,9 @@ def test_bad_requests_raise_value_errors(make_llm):
     assert not engine.has_unfinished_requests()
 
 
-PREEMPTION_CASES = [("swap", 1), ("recompute", 1), ("swap", 2), ("recompute", 2)]
+# NOTE: CI runs one case per mode (n = 2 with swap, n = 1 with recompute); -m slow runs all four.
+PREEMPTION_CASES = [pytest.param("swap", 1, marks=pytest.mark.slow), ("recompute", 1), ("swap", 2),
+                    pytest.param("recompute", 2, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("mode,n", PREEMPTION_CASES)

@@ -14,7 +14,10 @@ from engine.sampling_params import SamplingParams
 from tests.engine.prompts import CASES, prompt_of_length
 
 NEAR_TIE = 1e-4
-BLOCK_SIZES = [1, 16, 32]
+# NOTE: CI runs each block size once (alone: 16; batched: 1 and 32); the rest run with -m slow.
+SLOW = pytest.mark.slow
+ALONE = [pytest.param(1, marks=SLOW), 16, pytest.param(32, marks=SLOW)]
+BATCHED = [1, pytest.param(16, marks=SLOW), 32]
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +67,7 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
 
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("block_size", ALONE)
 def test_each_prompt_alone(make_llm, cases, reference, block_size):
     llm = make_llm(block_size=block_size)
     for k, ((ids, new), (ref, top2)) in enumerate(zip(cases, reference)):
@@ -72,7 +75,7 @@ def test_each_prompt_alone(make_llm, cases, reference, block_size):
         assert_matches(out.outputs[0].token_ids, ref, top2, f"prompt {k} ({len(ids)} tokens) alone")
 
 
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("block_size", BATCHED)
 def test_batched_staggered_arrival(make_llm, cases, reference, block_size):
     """Prompts join a running batch two at a time, every third step."""
     engine = make_llm(block_size=block_size).engine

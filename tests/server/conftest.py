@@ -3,7 +3,7 @@
 `real_server` (session): the default model, small KV pool, loaded once for the whole session,
 through `tests.server.faulty_engine` (the real engine; only prompts carrying a FAULT: marker
 misbehave). `start_server(...)` starts one with any flags (tests that need their own flags).
-Tests marked `slow` run only when asked for: `-m slow`.
+Tests marked `slow` run only when asked for: `-m slow` (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -110,11 +110,3 @@ def client(url):
 def model(client) -> str:
     return client.models.list().data[0].id
 
-
-def pytest_collection_modifyitems(config, items):
-    if "slow" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="long fuzz / soak run: opt in with -m slow")
-    for item in items:
-        if item.get_closest_marker("slow") and "tests/server" in str(item.fspath):
-            item.add_marker(skip)
