@@ -26,6 +26,14 @@ host side of the CUDA build):
 ``load`` refuses (RuntimeError, before compiling) an ``x86-64-vN`` target whose features this
 CPU lacks, rather than load a library that dies of SIGILL; ``cuda_ext.ops`` then falls back to
 the reference with a warning.
+
+The CUDA build is compiled for explicit GPU architectures (``-gencode``), and they are part of
+its cache key together with the visible GPU's compute capability, so that a library built for
+one GPU (an H200: sm_90) is never loaded on another (an A100: sm_80) from a shared cache:
+
+* ``TORCH_CUDA_ARCH_LIST`` (torch's variable, e.g. ``"8.0;9.0"`` or ``"9.0+PTX"``) when set;
+  ``load`` refuses a list with no code the visible GPU runs;
+* otherwise the visible GPU's capability alone (``torch.cuda.get_device_capability()``).
 """
 
 from __future__ import annotations
@@ -154,10 +162,77 @@ def _machine_key(arch: str) -> str:
     return _cpu_signature() if arch == "native" else platform.machine()
 
 
+CUDA_ARCH_ENV = "TORCH_CUDA_ARCH_LIST"
+_CUDA_ARCH = re.compile(r"(\d+)\.(\d+)([a-z]?)(\+PTX)?")
+
+
+def device_capability() -> tuple[int, int] | None:
+    """The visible CUDA GPU's compute capability, e.g. (9, 0); None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability())
+
+
+def cuda_archs(capability: tuple[int, int] | None = None) -> list[str]:
+    """The GPU architectures to build for, as ``"9.0"`` / ``"9.0+PTX"`` / ``"9.0a"`` entries:
+    ``TORCH_CUDA_ARCH_LIST`` (separated by ``;``, ``,`` or spaces) if set, else the visible GPU's
+    capability (or `capability`). Raises ValueError for a malformed entry or for no GPU at all."""
+    env = os.environ.get(CUDA_ARCH_ENV, "").strip()
+    if env:
+        archs = [a for a in re.split(r"[;,\s]+", env) if a]
+        bad = [a for a in archs if not _CUDA_ARCH.fullmatch(a)]
+        if bad:
+            raise ValueError(f"{CUDA_ARCH_ENV} entries must look like 8.0, 9.0a or 9.0+PTX, not {bad}")
+        return archs
+    capability = capability or device_capability()
+    if capability is None:
+        raise ValueError(f"no visible CUDA GPU and no {CUDA_ARCH_ENV}: nothing to build the CUDA ops for")
+    return [f"{capability[0]}.{capability[1]}"]
+
+
+def cuda_arch_flags(archs: list[str]) -> tuple[str, ...]:
+    """nvcc ``-gencode`` flags: machine code (sm_XY) for every entry, plus PTX (compute_XY) for
+    ``+PTX`` entries. NOTE: with a -gencode flag given, torch adds none of its own."""
+    flags: list[str] = []
+    for arch in archs:
+        major, minor, suffix, ptx = _CUDA_ARCH.fullmatch(arch).groups()
+        num = f"{major}{minor}{suffix}"
+        flags += ["-gencode", f"arch=compute_{num},code=sm_{num}"]
+        if ptx:
+            flags += ["-gencode", f"arch=compute_{num},code=compute_{num}"]
+    return tuple(flags)
+
+
+def arch_runs_on(archs: list[str], capability: tuple[int, int]) -> bool:
+    """Whether code built for `archs` runs on a GPU of `capability`: machine code for the same
+    major and a minor <= its own (an ``a`` entry: exactly its own), or PTX for one <= it."""
+    for arch in archs:
+        major, minor, suffix, ptx = _CUDA_ARCH.fullmatch(arch).groups()
+        built = (int(major), int(minor))
+        if suffix and built == capability:
+            return True
+        if not suffix and built[0] == capability[0] and built[1] <= capability[1]:
+            return True
+        if ptx and not suffix and built <= capability:
+            return True
+    return False
+
+
+def _gpu_key() -> str:
+    """What of the GPU goes into a CUDA build's cache key: the arch list and the visible
+    device's capability ("none" where neither is known: such a build is refused by ``load``)."""
+    try:
+        archs = cuda_archs()
+    except ValueError:
+        archs = None
+    return repr((archs, device_capability()))
+
+
 def source_hash(kind: str, arch: str | None = None) -> str:
     """Digest of everything that decides the built binary: sources, headers, flags, toolchain,
-    and the CPU (``native``) or the machine architecture (other settings). `arch` defaults to
-    the ``PAGED_SERVE_CPU_ARCH`` setting."""
+    and the CPU (``native``) or the machine architecture (other settings); for ``cuda``, also
+    the GPU architectures built for and the visible GPU's capability. `arch` defaults to the
+    ``PAGED_SERVE_CPU_ARCH`` setting."""
     arch = arch or cpu_arch()
     h = hashlib.sha256()
     for path in sorted(CSRC.rglob("*")):
@@ -168,6 +243,8 @@ def source_hash(kind: str, arch: str | None = None) -> str:
             h.update(path.read_bytes())
     h.update(repr((kind, cpu_flags(arch), CUDA_FLAGS, torch.__version__, torch.version.cuda)).encode())
     h.update(_machine_key(arch).encode())
+    if kind == "cuda":
+        h.update(_gpu_key().encode())
     return h.hexdigest()[:16]
 
 
@@ -188,6 +265,15 @@ def load(kind: str) -> Path:
             f"{CPU_ARCH_ENV}={arch} builds for {_march(arch)}, which this CPU does not support "
             f"(no {', '.join(missing)}); set {CPU_ARCH_ENV}=native to build for this machine"
         )
+    cuda_cflags = list(CUDA_FLAGS)
+    if kind == "cuda":
+        archs, capability = cuda_archs(), device_capability()
+        if capability is not None and not arch_runs_on(archs, capability):
+            raise RuntimeError(
+                f"{CUDA_ARCH_ENV}={';'.join(archs)} has no code that this GPU (compute capability "
+                f"{capability[0]}.{capability[1]}) runs; add {capability[0]}.{capability[1]} to it"
+            )
+        cuda_cflags += cuda_arch_flags(archs)
     name = f"paged_serve_ops_{kind}_{source_hash(kind, arch)}"
     build_dir = cache_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -211,7 +297,7 @@ def load(kind: str) -> Path:
         name=name,
         sources=sources,
         extra_cflags=cflags + (["-DPAGED_SERVE_WITH_CUDA"] if kind == "cuda" else []),
-        extra_cuda_cflags=list(CUDA_FLAGS),
+        extra_cuda_cflags=cuda_cflags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         with_cuda=kind == "cuda",

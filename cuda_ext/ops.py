@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -29,9 +30,12 @@ from cuda_ext.reference import gather_cached_kv
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CopyBlocksTable",
     "backend",
+    "check_device_errors",
     "compiled_library",
     "copy_blocks",
+    "copy_blocks_table",
     "gather_cached_kv",
     "paged_attention",
     "reshape_and_cache",
@@ -95,7 +99,9 @@ def reshape_and_cache(
     """Write the new tokens' K/V into their cache slots, in place.
 
     ``slot_mapping[i] = block_id * block_size + offset`` for token ``i`` (int64); a negative
-    slot skips the token (padding).
+    slot skips the token (padding). A slot >= ``num_blocks * block_size`` is a RuntimeError
+    (on CUDA with the mapping in device memory: the token is skipped, and the error raised at
+    the next call or by :func:`check_device_errors`).
     """
     if _compiled_for(key_cache):
         torch.ops.paged_serve.reshape_and_cache(
@@ -119,8 +125,15 @@ def paged_attention(
 
     ``block_tables``: ``[num_seqs, max_blocks_per_seq]`` int32; ``context_lens``: ``[num_seqs]``
     int32, counting the cached tokens including the current one. ``max_context_len`` (a host
-    int, the max of ``context_lens``) sizes the CUDA kernel's partitions. GQA: query head ``h``
-    reads KV head ``h // (num_heads // num_kv_heads)``. fp32/fp16/bf16, fp32 accumulation.
+    int, at least the max of ``context_lens``, at most ``max_blocks_per_seq * block_size``)
+    sizes the CUDA kernel's partitions. GQA: query head ``h`` reads KV head
+    ``h // (num_heads // num_kv_heads)``. fp32/fp16/bf16, fp32 accumulation.
+
+    Both compiled backends refuse the same calls (RuntimeError): bad shapes or dtypes, a cache
+    with 0 blocks or KV heads, ``max_context_len`` past the table, and, for tables and lengths
+    in CPU memory, a block id outside the pool or a context_len above ``max_context_len``. On
+    CUDA, such entries in device memory are caught by the kernel and raised at the next call
+    (or by :func:`check_device_errors`).
     """
     compiled = _compiled_for(query) and (
         query.device.type == "cpu" or query.shape[-1] in CUDA_HEAD_SIZES
@@ -138,19 +151,66 @@ def paged_attention(
         )
 
 
+@dataclass(frozen=True)
+class CopyBlocksTable:
+    """The caches' data pointers for the CUDA copy_blocks kernel, built once and kept on the
+    caches' device (see :func:`copy_blocks_table`), so that a copy-on-write step uploads nothing
+    but its block mapping. ``data_ptrs`` is the host copy, checked against the caches at every
+    call; ``device_ptrs`` is None where the kernel needs no table (CPU caches, the reference)."""
+
+    data_ptrs: tuple[int, ...]
+    device_ptrs: Tensor | None
+
+
+def copy_blocks_table(key_caches: Sequence[Tensor], value_caches: Sequence[Tensor]) -> CopyBlocksTable:
+    """A :class:`CopyBlocksTable` for these caches (per-layer K and V views that stay allocated,
+    as the engine's pool does); one blocking upload, here, instead of one per call."""
+    ptrs = tuple(t.data_ptr() for t in (*key_caches, *value_caches))
+    device = key_caches[0].device if key_caches else torch.device("cpu")
+    on_gpu = device.type == "cuda" and _compiled_for(key_caches[0])
+    return CopyBlocksTable(ptrs, torch.tensor(ptrs, dtype=torch.int64, device=device) if on_gpu else None)
+
+
 def copy_blocks(
-    key_caches: Sequence[Tensor], value_caches: Sequence[Tensor], block_mapping: Tensor
+    key_caches: Sequence[Tensor], value_caches: Sequence[Tensor], block_mapping: Tensor,
+    table: CopyBlocksTable | None = None,
 ) -> None:
     """Copy-on-write: for every layer, copy block ``src`` to ``dst`` for each ``(src, dst)`` row
-    of ``block_mapping`` (``[num_pairs, 2]`` int64), in place, in one call."""
+    of ``block_mapping`` (``[num_pairs, 2]`` int64), in place, in one call.
+
+    A mapping on the CPU is checked entry by entry before any copy (ids < num_blocks, else a
+    RuntimeError); on CUDA, pinned CPU memory makes its upload asynchronous. ``table`` (from
+    :func:`copy_blocks_table` for the same caches; ValueError otherwise) spares the CUDA path
+    the upload of the caches' pointers on every call."""
     if block_mapping.numel() == 0 or not key_caches:
         return
+    device_ptrs = None
+    if table is not None:
+        if table.data_ptrs != tuple(t.data_ptr() for t in (*key_caches, *value_caches)):
+            raise ValueError("copy_blocks: the CopyBlocksTable was built for other caches")
+        device_ptrs = table.device_ptrs
     if _compiled_for(key_caches[0]):
         torch.ops.paged_serve.copy_blocks(
-            list(key_caches), list(value_caches), block_mapping.to(torch.int64)
+            list(key_caches), list(value_caches), block_mapping.to(torch.int64), device_ptrs
         )
     else:
         reference.copy_blocks(key_caches, value_caches, block_mapping)
+
+
+def check_device_errors() -> None:
+    """Synchronise the current CUDA device and raise RuntimeError if a CUDA kernel found an
+    out-of-range index in device memory since the last check (a slot past the pool, a block id
+    outside it, a context longer than max_context_len or its block table). Such entries are
+    never used (no memory outside the pool is touched), and the next op call raises too; this
+    makes the report immediate. A no-op without the compiled CUDA ops."""
+    if backend() != "cuda":
+        return
+    torch.cuda.synchronize()
+    code = torch.ops.paged_serve.take_device_error()
+    if code:
+        names = {1: "slot >= num_blocks * block_size", 2: "block id outside [0, num_blocks)",
+                 3: "context_len < 0 or > max_context_len / the block table's width"}
+        raise RuntimeError(f"paged_serve CUDA kernel found an out-of-range index: {names.get(code, code)}")
 
 
 def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:

@@ -57,6 +57,12 @@ class CacheEngine:
         self.kv_caches = [(self.device_kv[0, i], self.device_kv[1, i]) for i in range(L)]
         self.cpu_caches = [(self.cpu_kv[0, i], self.cpu_kv[1, i]) for i in range(L)]
         self.bytes_per_block = bytes_per_block(model, block_size, tp_size)
+        # NOTE: copy_blocks' pointer table (every layer's K and V) is uploaded once, here: built
+        # per call, its blocking host-to-device copy would drain the GPU queue at every
+        # copy-on-write step. The views above never move, so the table stays valid.
+        self._key_caches = [k for k, _ in self.kv_caches]
+        self._value_caches = [v for _, v in self.kv_caches]
+        self._copy_table = ops.copy_blocks_table(self._key_caches, self._value_caches)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         self._swap(self.kv_caches, self.cpu_caches, pairs)
@@ -73,7 +79,15 @@ class CacheEngine:
             ops.swap_blocks(sv, dv, mapping)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: device block ``src`` -> ``dst`` for each pair, in every layer, queued on
+        the current stream without waiting for the GPU. Raises RuntimeError (before any copy) for
+        a block id outside the pool."""
         if not pairs:
             return
-        mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
-        ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
+        # NOTE: the mapping stays on the host: the op checks it there, then (from pinned memory)
+        # uploads it asynchronously; torch.tensor(..., device="cuda") would block until the GPU
+        # has drained its queue.
+        mapping = torch.tensor(pairs, dtype=torch.int64)
+        if self.device.type == "cuda":
+            mapping = mapping.pin_memory()
+        ops.copy_blocks(self._key_caches, self._value_caches, mapping, self._copy_table)

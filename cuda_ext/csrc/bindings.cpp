@@ -3,10 +3,13 @@
 // what an op writes. Python code reaches these only through cuda_ext/ops.py.
 //
 // Built without CUDA by default; with -DPAGED_SERVE_WITH_CUDA the CUDA implementations below
-// wrap the raw-pointer launchers of cuda/kernels.h.
+// wrap the raw-pointer launchers of cuda/kernels.h. Both backends run the argument checks of
+// checks.h; index tensors on a GPU are guarded by the kernels, whose reports
+// (take_device_error) become exceptions at the next call.
 
 #include <torch/library.h>
 
+#include "checks.h"
 #include "cpu/cpu_ops.h"
 
 #ifdef PAGED_SERVE_WITH_CUDA
@@ -14,7 +17,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include "cuda/kernels.h"
@@ -22,13 +27,26 @@
 
 namespace paged_serve {
 
+#ifdef PAGED_SERVE_WITH_CUDA
+namespace {
+int64_t take_device_error();
+}
+int64_t take_device_error_any() { return take_device_error(); }
+#else
+int64_t take_device_error_any() { return 0; }
+#endif
+
 TORCH_LIBRARY(paged_serve, m) {
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor context_lens, float scale, int max_context_len) -> ()");
-  m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
+  m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping, "
+        "Tensor? cache_ptrs=None) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+  // The CUDA kernels' report of a bad device-resident index since the last call (a
+  // cuda::ErrorCode, 0: none), reset; always 0 in a build without CUDA.
+  m.def("take_device_error() -> int", &take_device_error_any);
 }
 
 TORCH_LIBRARY_IMPL(paged_serve, CPU, m) {
@@ -43,7 +61,7 @@ TORCH_LIBRARY_IMPL(paged_serve, Meta, m) {
   m.impl("reshape_and_cache", [](const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&) {});
   m.impl("paged_attention", [](at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, double, int64_t) {});
-  m.impl("copy_blocks", [](at::TensorList, at::TensorList, const at::Tensor&) {});
+  m.impl("copy_blocks", [](at::TensorList, at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&) {});
   m.impl("swap_blocks", [](const at::Tensor&, at::Tensor&, const at::Tensor&) {});
 }
 
@@ -72,59 +90,114 @@ void check_on(const at::Device& device, std::initializer_list<const at::Tensor*>
   }
 }
 
+// The int the kernels report bad device-resident indices into (cuda::ErrorCode): pinned host
+// memory mapped into every device (portable), allocated once; {host, device} pointers. Both
+// null if the allocation failed (the kernels' guards still hold, only the report is lost).
+std::pair<int*, int*> error_flag() {
+  static const std::pair<int*, int*> flag = [] {
+    int* host = nullptr;
+    int* device = nullptr;
+    if (cudaHostAlloc(reinterpret_cast<void**>(&host), sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable) !=
+            cudaSuccess ||
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&device), host, 0) != cudaSuccess) {
+      (void)cudaGetLastError();  // clear the sticky-free error so the next launch does not see it
+      return std::pair<int*, int*>{nullptr, nullptr};
+    }
+    *host = cuda::kNoError;
+    return std::pair<int*, int*>{host, device};
+  }();
+  return flag;
+}
+
+const char* error_text(int code) {
+  switch (code) {
+    case cuda::kBadSlot: return "a slot_mapping entry >= num_blocks * block_size (that token was not written)";
+    case cuda::kBadBlockId: return "a block id outside [0, num_blocks) (block 0 was read, or the copy skipped)";
+    case cuda::kBadContextLen: return "a context_len < 0 or > max_context_len / the block table's width (it was cut)";
+    default: return "an unknown error";
+  }
+}
+
+// The kernels' report since the last call, reset; 0 if none. Reports land when the kernel
+// that made them has run: synchronise first to see those of the calls just made.
+int64_t take_device_error() {
+  int* host = error_flag().first;
+  if (host == nullptr) return 0;
+  volatile int* flag = host;
+  const int code = *flag;
+  if (code != cuda::kNoError) *flag = cuda::kNoError;
+  return code;
+}
+
+// Raise what an earlier kernel reported, so a bad index surfaces as an exception at the next
+// call (a host-side check would need a synchronisation on every call).
+void raise_device_error(const char* op) {
+  const int64_t code = take_device_error();
+  TORCH_CHECK(code == 0, op, ": an earlier paged_serve CUDA kernel found ", error_text(static_cast<int>(code)),
+              "; the device-side inputs of that call were out of range (its bad entries were not used)");
+}
+
+// An index tensor's copy on `device`: one on the host is checked there first (by `check`).
+// NOTE: non_blocking: from pinned memory the copy is queued on the stream (no host wait);
+// from pageable memory torch stages it before returning, which is safe as well.
+template <typename Check>
+at::Tensor index_on(const at::Tensor& t, const at::Device& device, Check check) {
+  if (t.device().is_cpu()) {
+    check();
+    return t.contiguous().to(device, /*non_blocking=*/true);
+  }
+  TORCH_CHECK(t.device() == device, "index tensors must be on the CPU or on ", device, ", got one on ", t.device());
+  return t.contiguous();
+}
+
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                             at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes(), "key/value must be [num_tokens, num_kv_heads, head_size]");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
-                  key_cache.strides() == value_cache.strides(),
-              "caches must be [num_blocks, num_kv_heads, block_size, head_size] with equal strides");
-  TORCH_CHECK(key.size(1) == key_cache.size(1) && key.size(2) == key_cache.size(3), "key/value heads or head_size differ from the cache's");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(), "key/value must have the caches' dtype");
-  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1, "the head_size dimension must be contiguous");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == key.size(0), "slot_mapping must be [num_tokens] int64");
-  TORCH_CHECK(key.element_size() == 2 || key.element_size() == 4, "reshape_and_cache: 2- or 4-byte dtypes only");
+  raise_device_error("reshape_and_cache");
+  checks::check_kv_write(key, value, key_cache, value_cache, slot_mapping);
   check_on(key_cache.device(), {&key, &value, &value_cache}, "reshape_and_cache");
   const c10::cuda::CUDAGuard guard(key_cache.device());
-  const at::Tensor slots = slot_mapping.to(key_cache.device()).contiguous();
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(2);
+  const at::Tensor slots = index_on(slot_mapping, key_cache.device(),
+                                    [&] { checks::check_slots_on_host(slot_mapping, num_slots); });
   check_cuda(cuda::reshape_and_cache(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                                      slots.const_data_ptr<int64_t>(), key.size(0), key.size(1), key.size(2),
                                      key_cache.size(2), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                                     key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-                                     key.element_size(), c10::cuda::getCurrentCUDAStream()),
+                                     key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), num_slots,
+                                     key.element_size(), error_flag().second, c10::cuda::getCurrentCUDAStream()),
              "reshape_and_cache");
 }
 
 void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables,
                           const at::Tensor& context_lens, double scale, int64_t max_context_len) {
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [num_seqs, num_heads, head_size]");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
-                  key_cache.strides() == value_cache.strides(),
-              "caches must be [num_blocks, num_kv_heads, block_size, head_size] with equal strides");
-  TORCH_CHECK(query.scalar_type() == out.scalar_type() && query.scalar_type() == key_cache.scalar_type() &&
-                  query.scalar_type() == value_cache.scalar_type(),
-              "query, out and the caches must share one dtype");
+  raise_device_error("paged_attention");
+  checks::check_attention(out, query, key_cache, value_cache, block_tables, context_lens, max_context_len);
   TORCH_CHECK(cuda::attention_supports_head_size(query.size(2)), "the CUDA paged_attention is built for head sizes 64 "
               "and 128, not ", query.size(2));
-  TORCH_CHECK(key_cache.size(3) == query.size(2) && query.size(1) % key_cache.size(1) == 0,
-              "head_size must match the cache's and num_heads be a multiple of num_kv_heads");
   const int64_t vec = 16 / key_cache.element_size();  // elements per 16-byte load
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 && aligned16(key_cache) &&
-                  aligned16(value_cache) && key_cache.stride(0) % vec == 0 && key_cache.stride(1) % vec == 0 &&
-                  key_cache.stride(2) % vec == 0,
-              "caches must be 16-byte aligned with head_size contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
-                  block_tables.dim() == 2 && block_tables.size(0) == query.size(0) && context_lens.numel() == query.size(0),
-              "block_tables must be [num_seqs, max_blocks_per_seq] int32, context_lens [num_seqs] int32");
-  check_on(query.device(), {&out, &key_cache, &value_cache, &block_tables, &context_lens}, "paged_attention");
+  TORCH_CHECK(aligned16(key_cache) && aligned16(value_cache) && key_cache.stride(0) % vec == 0 &&
+                  key_cache.stride(1) % vec == 0 && key_cache.stride(2) % vec == 0,
+              "paged_attention: caches must be 16-byte aligned with head_size contiguous");
+  TORCH_CHECK(query.size(0) <= cuda::kMaxGridYZ, "paged_attention: at most ", cuda::kMaxGridYZ,
+              " sequences per call, got ", query.size(0));
+  TORCH_CHECK(key_cache.size(0) <= INT32_MAX, "paged_attention: at most 2^31 - 1 blocks (int32 block ids)");
   TORCH_CHECK(max_context_len <= cuda::kMaxContextLen, "paged_attention: contexts are limited to ",
               cuda::kMaxContextLen, " tokens, got max_context_len ", max_context_len);
+  check_on(query.device(), {&out, &key_cache, &value_cache}, "paged_attention");
   const c10::cuda::CUDAGuard guard(query.device());
-  const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  // Index tensors on the host are checked entry by entry (block ids where the table is too).
+  const at::Tensor lens = index_on(context_lens, query.device(), [&] {
+    if (block_tables.device().is_cpu()) {
+      checks::check_tables_on_host(block_tables, context_lens, key_cache.size(0), key_cache.size(2), max_context_len);
+    } else {
+      checks::check_lens_on_host(context_lens, max_context_len, block_tables.size(1));
+    }
+  });
+  const at::Tensor tables = index_on(block_tables, query.device(), [] {});
   const cuda::AttentionShape shape{
       static_cast<int>(query.size(0)), static_cast<int>(query.size(1)), static_cast<int>(key_cache.size(1)),
       static_cast<int>(query.size(2)), static_cast<int>(key_cache.size(2)), static_cast<int>(tables.size(1)),
-      query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+      static_cast<int>(key_cache.size(0)), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
       key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)};
   // Scratch for the split-context path; empty when one partition covers every sequence.
   const int num_partitions = cuda::attention_num_partitions(static_cast<int>(max_context_len));
@@ -140,51 +213,64 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
                                    tables.const_data_ptr<int>(), lens.const_data_ptr<int>(), ptr(partial_out),
                                    ptr(partial_max), ptr(partial_sum), shape, static_cast<float>(scale),
                                    static_cast<int>(max_context_len), to_dtype(query.scalar_type()),
-                                   c10::cuda::getCurrentCUDAStream()),
+                                   error_flag().second, c10::cuda::getCurrentCUDAStream()),
              "paged_attention");
 }
 
-void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping) {
-  TORCH_CHECK(key_caches.size() == value_caches.size(), "need as many value caches as key caches");
+// cache_ptrs: the caches' data pointers as an int64 tensor on their device, in the order
+// key_caches then value_caches (cuda_ext.ops.CopyBlocksTable builds it once and checks that
+// it matches the caches); without it the table is built and uploaded on every call.
+void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping,
+                      const std::optional<at::Tensor>& cache_ptrs) {
+  raise_device_error("copy_blocks");
+  TORCH_CHECK(key_caches.size() == value_caches.size(), "copy_blocks: need as many value caches as key caches");
   TORCH_CHECK(block_mapping.scalar_type() == at::kLong && block_mapping.dim() == 2 && block_mapping.size(1) == 2,
-              "block_mapping must be [num_pairs, 2] int64");
+              "copy_blocks: block_mapping must be [num_pairs, 2] int64");
   if (key_caches.empty() || block_mapping.size(0) == 0) return;
   const at::Device device = key_caches[0].device();
   const c10::cuda::CUDAGuard guard(device);
-  const int64_t block_bytes = key_caches[0].numel() / key_caches[0].size(0) * key_caches[0].element_size();
+  const int64_t num_blocks = key_caches[0].dim() >= 1 ? key_caches[0].size(0) : 0;
+  TORCH_CHECK(num_blocks > 0, "copy_blocks: the caches have no blocks");
+  const int64_t block_bytes = key_caches[0].numel() / num_blocks * key_caches[0].element_size();
   std::vector<int64_t> ptrs;
   for (at::TensorList caches : {key_caches, value_caches}) {
     for (const at::Tensor& c : caches) {
-      TORCH_CHECK(c.device() == device && c.is_contiguous() && aligned16(c) &&
-                      c.numel() / c.size(0) * c.element_size() == block_bytes,
-                  "caches must be contiguous, on one device, with one block size");
+      TORCH_CHECK(c.device() == device && c.is_contiguous() && aligned16(c) && c.dim() >= 1 &&
+                      c.size(0) == num_blocks && c.numel() / num_blocks * c.element_size() == block_bytes,
+                  "copy_blocks: caches must be contiguous, on one device, with one number and size of blocks");
       ptrs.push_back(reinterpret_cast<int64_t>(c.data_ptr()));
     }
   }
-  const at::Tensor device_ptrs = at::tensor(ptrs, at::kLong).to(device);
-  const at::Tensor mapping = block_mapping.to(device).contiguous();
+  at::Tensor device_ptrs;
+  if (cache_ptrs.has_value()) {
+    device_ptrs = *cache_ptrs;
+    TORCH_CHECK(device_ptrs.device() == device && device_ptrs.scalar_type() == at::kLong && device_ptrs.dim() == 1 &&
+                    device_ptrs.numel() == static_cast<int64_t>(ptrs.size()) && device_ptrs.is_contiguous(),
+                "copy_blocks: cache_ptrs must be a contiguous [", ptrs.size(), "] int64 tensor on ", device);
+  } else {
+    device_ptrs = at::tensor(ptrs, at::kLong).to(device, /*non_blocking=*/true);
+  }
+  const at::Tensor mapping = index_on(block_mapping, device, [&] {
+    checks::check_mapping_on_host(block_mapping, num_blocks, num_blocks, "copy_blocks");
+  });
   check_cuda(cuda::copy_blocks(device_ptrs.const_data_ptr<int64_t>(), mapping.const_data_ptr<int64_t>(),
-                               static_cast<int>(ptrs.size()), static_cast<int>(mapping.size(0)), block_bytes,
-                               c10::cuda::getCurrentCUDAStream()),
+                               static_cast<int>(ptrs.size()), mapping.size(0), block_bytes, num_blocks,
+                               error_flag().second, c10::cuda::getCurrentCUDAStream()),
              "copy_blocks");
 }
 
 void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
-  TORCH_CHECK(block_mapping.device().is_cpu() && block_mapping.scalar_type() == at::kLong && block_mapping.dim() == 2 &&
-                  block_mapping.size(1) == 2,
-              "block_mapping must be a [num_pairs, 2] int64 CPU tensor");
-  TORCH_CHECK(src.scalar_type() == dst.scalar_type() && src.sizes().slice(1) == dst.sizes().slice(1) &&
+  raise_device_error("swap_blocks");
+  TORCH_CHECK(src.scalar_type() == dst.scalar_type() && src.dim() >= 1 && src.sizes().slice(1) == dst.sizes().slice(1) &&
                   src.is_contiguous() && dst.is_contiguous(),
-              "src and dst must be contiguous with the same dtype and block shape");
+              "swap_blocks: src and dst must be contiguous with the same dtype and block shape");
+  checks::check_mapping_on_host(block_mapping, src.size(0), dst.size(0), "swap_blocks");
   const at::Device device = src.is_cuda() ? src.device() : dst.device();
   const c10::cuda::CUDAGuard guard(device);
   const at::Tensor mapping = block_mapping.contiguous();
   const int64_t* pairs = mapping.const_data_ptr<int64_t>();
-  for (int64_t p = 0; p < mapping.size(0); ++p) {
-    TORCH_CHECK(pairs[2 * p] >= 0 && pairs[2 * p] < src.size(0) && pairs[2 * p + 1] >= 0 && pairs[2 * p + 1] < dst.size(0),
-                "block id out of range in block_mapping row ", p);
-  }
-  const int64_t block_bytes = src.numel() / std::max<int64_t>(src.size(0), 1) * src.element_size();
+  int64_t block_bytes = src.element_size();
+  for (int64_t d = 1; d < src.dim(); ++d) block_bytes *= src.size(d);
   const cudaMemcpyKind kind = src.is_cuda() ? (dst.is_cuda() ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost)
                                             : cudaMemcpyHostToDevice;
   check_cuda(cuda::swap_blocks(src.data_ptr(), dst.data_ptr(), pairs, static_cast<int>(mapping.size(0)), block_bytes,

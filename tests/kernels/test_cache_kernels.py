@@ -116,3 +116,25 @@ def test_opcheck_cache_ops():
     torch.library.opcheck(lib.copy_blocks.default, ([key_cache], [value_cache], mapping))
     dst = torch.zeros_like(key_cache)
     torch.library.opcheck(lib.swap_blocks.default, (key_cache, dst, mapping))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cache_engine_copy(device):
+    """engine.cache_engine.CacheEngine.copy: the pointer table built once at start-up serves
+    every copy-on-write call, in every layer; a block id outside the pool is refused first."""
+    from types import SimpleNamespace
+
+    from engine.cache_engine import CacheEngine
+
+    model = SimpleNamespace(num_layers=3, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    engine = CacheEngine(model, block_size=8, num_device_blocks=10, num_cpu_blocks=0, device=torch.device(device))
+    engine.device_kv.copy_(torch.randn(engine.device_kv.shape).to(engine.device_kv))
+    before = engine.device_kv.clone()
+    for pairs in ([(1, 4), (2, 5)], [(4, 9)]):  # the second copies a block the first wrote
+        engine.copy(pairs)
+        for src, dst in pairs:
+            before[:, :, dst] = before[:, :, src]
+    assert torch.equal(engine.device_kv, before)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        engine.copy([(0, 10)])
+    assert torch.equal(engine.device_kv, before)

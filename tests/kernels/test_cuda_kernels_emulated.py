@@ -51,8 +51,7 @@ def sim_lib() -> ctypes.CDLL:
     if include is None or shutil.which(compiler) is None:
         pytest.skip("needs a C++ compiler and the CUDA headers")
     units = [SIM_DIR / "sim_attention.cpp", SIM_DIR / "sim_cache.cpp"]
-    sources = [*units, SIM_DIR / "cuda_sim.h", CUDA_DIR / "attention_kernels.cuh", CUDA_DIR / "cache_kernels.cuh",
-               CUDA_DIR / "kernels.h"]
+    sources = [*units, SIM_DIR / "cuda_sim.h", *sorted(CUDA_DIR.glob("*.cuh")), CUDA_DIR / "kernels.h"]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + str(include).encode()).hexdigest()[:16]
     lib_path = build.cache_root() / f"cuda_sim_{digest}.so"
     if not lib_path.exists():
@@ -75,16 +74,45 @@ def call_with_timeout(fn) -> int:
     return result[0]
 
 
-def run_emulated(lib, out, query, key_cache, value_cache, tables, lens, scale, max_context_len):
+def run_emulated(lib, out, query, key_cache, value_cache, tables, lens, scale, max_context_len) -> int:
+    """Run the emulated attention kernels; returns the ErrorCode they reported (0: none)."""
     strides = (ctypes.c_int64 * 7)(query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                                    key_cache.stride(0), key_cache.stride(1), key_cache.stride(2))
     ptr = ctypes.c_void_p
+    error = ctypes.c_int(0)
     rc = call_with_timeout(lambda: lib.sim_paged_attention(
         ptr(out.data_ptr()), ptr(query.data_ptr()), ptr(key_cache.data_ptr()), ptr(value_cache.data_ptr()),
         ptr(tables.data_ptr()), ptr(lens.data_ptr()), DTYPE_CODES[query.dtype], query.shape[0],
-        query.shape[1], key_cache.shape[1], query.shape[2], key_cache.shape[2], tables.shape[1], strides,
-        ctypes.c_float(scale), max_context_len))
+        query.shape[1], key_cache.shape[1], query.shape[2], key_cache.shape[2], tables.shape[1], key_cache.shape[0],
+        strides, ctypes.c_float(scale), max_context_len, ctypes.byref(error)))
     assert rc == 0, "configuration not instantiated"
+    return error.value
+
+
+def run_reshape_emulated(lib, key, value, key_cache, value_cache, slots) -> int:
+    """Run the emulated reshape_and_cache kernel; returns the ErrorCode it reported."""
+    s = (ctypes.c_int64 * 7)(key.stride(0), key.stride(1), value.stride(0), value.stride(1), key_cache.stride(0),
+                             key_cache.stride(1), key_cache.stride(2))
+    ptr = ctypes.c_void_p
+    error = ctypes.c_int(0)
+    rc = call_with_timeout(lambda: lib.sim_reshape_and_cache(
+        ptr(key.data_ptr()), ptr(value.data_ptr()), ptr(key_cache.data_ptr()), ptr(value_cache.data_ptr()),
+        ptr(slots.data_ptr()), key.shape[0], key.shape[1], key.shape[2], key_cache.shape[2], s,
+        ctypes.c_int64(key_cache.shape[0] * key_cache.shape[2]), key.element_size(), ctypes.byref(error)))
+    assert rc == 0
+    return error.value
+
+
+def run_copy_emulated(lib, caches, mapping) -> int:
+    """Run the emulated copy_blocks kernel over `caches`; returns the ErrorCode it reported."""
+    ptrs = (ctypes.c_int64 * len(caches))(*[c.data_ptr() for c in caches])
+    block_bytes = caches[0][0].numel() * caches[0].element_size()
+    error = ctypes.c_int(0)
+    rc = call_with_timeout(lambda: lib.sim_copy_blocks(
+        ptrs, ctypes.c_void_p(mapping.data_ptr()), len(caches), mapping.shape[0], ctypes.c_int64(block_bytes),
+        ctypes.c_int64(caches[0].shape[0]), ctypes.byref(error)))
+    assert rc == 0
+    return error.value
 
 
 @pytest.mark.parametrize(("dtype", "head_size", "heads", "block_size", "context_lens"), CASES,
@@ -101,7 +129,8 @@ def test_cuda_attention_kernel_emulated(sim_lib, dtype, head_size, heads, block_
     out = torch.full_like(query, 5.0)
     expected = torch.empty_like(query)
 
-    run_emulated(sim_lib, out, query, key_cache, value_cache, tables, lens, head_size**-0.5, max(context_lens))
+    assert run_emulated(sim_lib, out, query, key_cache, value_cache, tables, lens, head_size**-0.5,
+                        max(context_lens)) == 0
     reference.paged_attention(expected, query, key_cache, value_cache, tables, lens, head_size**-0.5,
                               max(context_lens))
 
@@ -122,14 +151,7 @@ def test_cuda_reshape_and_cache_kernel_emulated(sim_lib, dtype):
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
     reference.reshape_and_cache(key, value, expected_k, expected_v, slots)
 
-    s = (ctypes.c_int64 * 7)(key.stride(0), key.stride(1), value.stride(0), value.stride(1), key_cache.stride(0),
-                             key_cache.stride(1), key_cache.stride(2))
-    ptr = ctypes.c_void_p
-    rc = call_with_timeout(lambda: sim_lib.sim_reshape_and_cache(
-        ptr(key.data_ptr()), ptr(value.data_ptr()), ptr(key_cache.data_ptr()), ptr(value_cache.data_ptr()),
-        ptr(slots.data_ptr()), num_tokens, num_kv_heads, head_size, block_size, s, key.element_size()))
-
-    assert rc == 0
+    assert run_reshape_emulated(sim_lib, key, value, key_cache, value_cache, slots) == 0
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
 
 
@@ -140,11 +162,6 @@ def test_cuda_copy_blocks_kernel_emulated(sim_lib):
     expected = [c.clone() for c in caches]
     reference.copy_blocks(expected[:2], expected[2:], mapping)
 
-    ptrs = (ctypes.c_int64 * len(caches))(*[c.data_ptr() for c in caches])
-    block_bytes = caches[0][0].numel() * caches[0].element_size()
-    rc = call_with_timeout(lambda: sim_lib.sim_copy_blocks(
-        ptrs, ctypes.c_void_p(mapping.data_ptr()), len(caches), mapping.shape[0], ctypes.c_int64(block_bytes)))
-
-    assert rc == 0
+    assert run_copy_emulated(sim_lib, caches, mapping) == 0
     for got, want in zip(caches, expected):
         assert torch.equal(got, want)

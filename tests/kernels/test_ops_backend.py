@@ -19,10 +19,17 @@ from cuda_ext import build, ops
 REPO = Path(__file__).resolve().parents[2]
 
 
+def expected_backend() -> str:
+    """What this host should load: CUDA where torch sees a GPU and a CUDA toolkit exists."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and build.cuda_home() is not None else "cpu"
+
+
 def test_compiled_backend_loads_by_default():
     if os.environ.get("PAGED_SERVE_OPS", "auto").lower() == "reference":
         pytest.skip("PAGED_SERVE_OPS=reference forces the reference")
-    assert ops.backend() in ("cpu", "cuda")
+    assert ops.backend() == expected_backend()
 
 
 def test_build_failure_falls_back_with_warning(monkeypatch, caplog):
@@ -52,6 +59,73 @@ def test_env_forces_reference():
 
 def test_source_hash_changes_with_kind():
     assert build.source_hash("cpu") != build.source_hash("cuda")
+
+
+# ------------------------------------------------------------------ CUDA architectures
+@pytest.mark.parametrize(("env", "capability", "archs"), [
+    (None, (9, 0), ["9.0"]),
+    ("8.0;9.0", (9, 0), ["8.0", "9.0"]),
+    (" 8.0, 9.0a 9.0+PTX ", None, ["8.0", "9.0a", "9.0+PTX"]),
+])
+def test_cuda_archs(monkeypatch, env, capability, archs):
+    if env is None:
+        monkeypatch.delenv(build.CUDA_ARCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(build.CUDA_ARCH_ENV, env)
+    assert build.cuda_archs(capability) == archs
+
+
+def test_cuda_archs_refuses_bad_entries_and_no_gpu(monkeypatch):
+    monkeypatch.setenv(build.CUDA_ARCH_ENV, "9.0;sm_90")
+    with pytest.raises(ValueError, match="sm_90"):
+        build.cuda_archs()
+    monkeypatch.delenv(build.CUDA_ARCH_ENV)
+    monkeypatch.setattr(build, "device_capability", lambda: None)
+    with pytest.raises(ValueError, match="no visible CUDA GPU"):
+        build.cuda_archs()
+
+
+def test_cuda_arch_flags():
+    assert build.cuda_arch_flags(["8.0", "9.0+PTX", "9.0a"]) == (
+        "-gencode", "arch=compute_80,code=sm_80",
+        "-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90",
+        "-gencode", "arch=compute_90a,code=sm_90a")
+
+
+@pytest.mark.parametrize(("archs", "capability", "runs"), [
+    (["9.0"], (9, 0), True),
+    (["9.0"], (8, 0), False),   # an H200 build on an A100
+    (["8.0"], (9, 0), False),   # machine code runs within one major version only
+    (["8.0"], (8, 6), True),
+    (["8.0+PTX"], (9, 0), True),  # PTX is compiled by the driver for newer GPUs
+    (["9.0a"], (10, 0), False),
+])
+def test_arch_runs_on(archs, capability, runs):
+    assert build.arch_runs_on(archs, capability) is runs
+
+
+def test_cuda_cache_key_has_the_arch_list_and_the_gpu(monkeypatch):
+    """A CUDA build for one GPU is never loaded on another from a shared cache."""
+    monkeypatch.delenv(build.CUDA_ARCH_ENV, raising=False)
+    keys = set()
+    for capability in ((8, 0), (9, 0)):
+        monkeypatch.setattr(build, "device_capability", lambda c=capability: c)
+        keys.add(build.source_hash("cuda"))
+        cpu_key = build.source_hash("cpu")
+    monkeypatch.setenv(build.CUDA_ARCH_ENV, "8.0;9.0")
+    keys.add(build.source_hash("cuda"))
+    assert len(keys) == 3
+    assert build.source_hash("cpu") == cpu_key  # the CPU build does not depend on the GPU
+
+
+def test_load_refuses_an_arch_list_without_code_for_this_gpu(monkeypatch):
+    """Refused before compiling (cuda_ext.ops then falls back with a warning), not at the first
+    launch with "no kernel image is available"."""
+    monkeypatch.setattr(build, "device_capability", lambda: (9, 0))
+    monkeypatch.setattr(build, "cuda_home", lambda: Path("/usr/local/cuda"))
+    monkeypatch.setenv(build.CUDA_ARCH_ENV, "8.0;8.6")
+    with pytest.raises(RuntimeError, match="no code that this GPU .compute capability 9.0. runs"):
+        build.load("cuda")
 
 
 # ------------------------------------------------------------------ PAGED_SERVE_CPU_ARCH

@@ -138,3 +138,73 @@ def test_bad_block_table_is_an_error_on_cpu(table, context_len, message):
         ops.paged_attention(torch.empty_like(query), query, key_cache, key_cache,
                             torch.tensor(table, dtype=torch.int32),
                             torch.tensor([context_len], dtype=torch.int32), 1.0, context_len)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_context_on_the_split_path(device):
+    """max_context_len > 512 takes the two-pass path: an empty context there gives zeros (the
+    reduce kernel writes them), next to split and single-partition contexts."""
+    gen = torch.Generator().manual_seed(9)
+    lens = [0, 1300, 0, 7]
+    key_cache, value_cache = poisoned_caches(100, 2, 16, 128, torch.bfloat16, device)
+    tables = random_block_tables(lens, 16, 100, gen)
+    fill_caches(key_cache, value_cache, tables, lens, gen)
+    query = torch.randn(len(lens), 8, 128, generator=gen).bfloat16().to(device)
+    out, expected = run_both(query, key_cache, value_cache, tables.to(device), lens, 128**-0.5)
+    assert (out[0] == 0).all() and (out[2] == 0).all()
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("context_len", [8192, 10000])
+def test_long_contexts(device, context_len):
+    """8K+ tokens: 16+ partitions, a partly filled last one, next to a short sequence."""
+    gen = torch.Generator().manual_seed(context_len)
+    lens = [context_len, 5]
+    num_blocks = sum(-(-n // 16) for n in lens) + 2
+    key_cache, value_cache = poisoned_caches(num_blocks, 2, 16, 128, torch.bfloat16, device)
+    tables = random_block_tables(lens, 16, num_blocks, gen)
+    fill_caches(key_cache, value_cache, tables, lens, gen)
+    query = torch.randn(2, 8, 128, generator=gen).bfloat16().to(device)
+    out, expected = run_both(query, key_cache, value_cache, tables.to(device), lens, 128**-0.5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_large_batch(device):
+    """512 sequences of mixed lengths (llama-3-8b's heads: 32 query / 8 KV, head size 128)."""
+    gen = torch.Generator().manual_seed(12)
+    lens = torch.randint(1, 700, (512,), generator=gen).tolist()
+    num_blocks = sum(-(-n // 16) for n in lens) + 2
+    key_cache, value_cache = poisoned_caches(num_blocks, 8, 16, 128, torch.bfloat16, device)
+    tables = random_block_tables(lens, 16, num_blocks, gen)
+    fill_caches(key_cache, value_cache, tables, lens, gen)
+    query = torch.randn(len(lens), 32, 128, generator=gen).bfloat16().to(device)
+    out, expected = run_both(query, key_cache, value_cache, tables.to(device), lens, 128**-0.5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=DEVICES[1].marks)])
+def test_pool_past_2_pow_31_elements(device):
+    """A real bf16 pool of 2^31 + 16K elements per cache (4 GiB each) on the GPU, the sequences'
+    blocks at its top end, written by reshape_and_cache and read by paged_attention."""
+    per_block, num_blocks = 16 * 128, 2**31 // (16 * 128) + 8
+    key_cache = torch.zeros(num_blocks, 1, 16, 128, dtype=torch.bfloat16, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    gen = torch.Generator().manual_seed(13)
+    lens = [40, 100]
+    top = num_blocks - 1
+    tables = torch.tensor([[top, top - 2, top - 7, 0, 0, 0, 0], [top - 1, top - 3, top - 4, top - 5, top - 6, 0, 1]],
+                          dtype=torch.int32)
+    assert tables[:, 0].long().min() * per_block >= 2**31
+    slots = torch.cat([tables[i, torch.arange(n) // 16].long() * 16 + torch.arange(n) % 16 for i, n in enumerate(lens)])
+    k = torch.randn(len(slots), 1, 128, generator=gen).bfloat16().to(device)
+    v = torch.randn(len(slots), 1, 128, generator=gen).bfloat16().to(device)
+    ops.reshape_and_cache(k, v, key_cache, value_cache, slots.to(device))
+    assert torch.equal(key_cache[top, 0, 3], k[3, 0])
+    query = torch.randn(2, 4, 128, generator=gen).bfloat16().to(device)
+    out, expected = run_both(query, key_cache, value_cache, tables.to(device), lens, 128**-0.5)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.bfloat16])
+    ops.check_device_errors()

@@ -8,6 +8,8 @@
 
 #include "cpu_ops.h"
 
+#include "../checks.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -171,24 +173,11 @@ void paged_attention_impl(const AttentionArgs& a, int num_seqs, T* out, const T*
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& context_lens, double scale, int64_t max_context_len) {
-  (void)max_context_len;  // the CPU kernel sizes its buffers per sequence
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [num_seqs, num_heads, head_size]");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
-                  key_cache.strides() == value_cache.strides(),
-              "key_cache/value_cache must be [num_blocks, num_kv_heads, block_size, head_size] with equal strides");
-  TORCH_CHECK(query.scalar_type() == out.scalar_type() && query.scalar_type() == key_cache.scalar_type() &&
-                  query.scalar_type() == value_cache.scalar_type(),
-              "query, out and the caches must share one dtype");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1,
-              "the head_size dimension must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
-              "block_tables and context_lens must be int32");
+  // NOTE: the same checks as the CUDA binding, so that both backends refuse the same calls;
+  // max_context_len only bounds context_lens here (the CPU kernel sizes buffers per sequence).
+  checks::check_attention(out, query, key_cache, value_cache, block_tables, context_lens, max_context_len);
+  checks::check_tables_on_host(block_tables, context_lens, key_cache.size(0), key_cache.size(2), max_context_len);
   const int num_kv_heads = static_cast<int>(key_cache.size(1));
-  TORCH_CHECK(query.size(1) % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(key_cache.size(3) == query.size(2), "cache head_size differs from the query's");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) &&
-                  context_lens.numel() == query.size(0),
-              "block_tables must be [num_seqs, max_blocks_per_seq], context_lens [num_seqs]");
 
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = context_lens.contiguous();
@@ -198,19 +187,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       query.stride(0), query.stride(1), out.stride(0), out.stride(1),
       key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), static_cast<float>(scale)};
 
-  // Bad tables are caught here as errors rather than as out-of-bounds reads in the kernel.
   const int* table_data = tables.const_data_ptr<int>();
   const int* len_data = lens.const_data_ptr<int>();
-  for (int64_t seq = 0; seq < query.size(0); ++seq) {
-    const int n = len_data[seq];
-    const int64_t blocks = (static_cast<int64_t>(n) + args.block_size - 1) / args.block_size;
-    TORCH_CHECK(n >= 0 && blocks <= args.max_blocks_per_seq, "sequence ", seq, ": context_len ", n,
-                " does not fit its block table of ", args.max_blocks_per_seq, " blocks");
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int id = table_data[seq * args.max_blocks_per_seq + b];
-      TORCH_CHECK(id >= 0 && id < key_cache.size(0), "sequence ", seq, ": block id ", id, " out of range");
-    }
-  }
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention_cpu", [&] {
     auto run = [&](auto head_size_tag) {

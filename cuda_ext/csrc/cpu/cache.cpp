@@ -3,6 +3,8 @@
 
 #include "cpu_ops.h"
 
+#include "../checks.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -14,41 +16,28 @@ namespace {
 // Bytes of one block in a block-major tensor [num_blocks, ...] (checked contiguous).
 int64_t block_bytes(const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous(), "block-major cache tensors must be contiguous");
-  return t.dim() == 0 || t.size(0) == 0 ? 0 : t.numel() / t.size(0) * t.element_size();
+  int64_t bytes = t.element_size();
+  for (int64_t d = 1; d < t.dim(); ++d) bytes *= t.size(d);
+  return bytes;
 }
 
+// Block ids were checked against the tensors' sizes before any copy (checks.h).
 char* block_ptr(const at::Tensor& t, int64_t block, int64_t bytes) {
-  TORCH_CHECK(block >= 0 && block < t.size(0), "block id ", block, " out of range [0, ", t.size(0), ")");
   return static_cast<char*>(t.data_ptr()) + block * bytes;
-}
-
-void check_mapping(const at::Tensor& mapping) {
-  TORCH_CHECK(mapping.device().is_cpu() && mapping.scalar_type() == at::kLong && mapping.dim() == 2 &&
-                  mapping.size(1) == 2,
-              "block_mapping must be a [num_pairs, 2] int64 CPU tensor");
 }
 
 }  // namespace
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes(), "key/value must be [num_tokens, num_kv_heads, head_size]");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(), "caches must be [num_blocks, num_kv_heads, block_size, head_size]");
-  TORCH_CHECK(key.size(1) == key_cache.size(1) && key.size(2) == key_cache.size(3), "key/value heads or head_size differ from the cache's");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
-              "key/value must have the caches' dtype");
-  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
-              "the head_size dimension must be contiguous");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == key.size(0), "slot_mapping must be [num_tokens] int64");
+  checks::check_kv_write(key, value, key_cache, value_cache, slot_mapping);
+  checks::check_slots_on_host(slot_mapping, key_cache.size(0) * key_cache.size(2));
 
   const at::Tensor slots = slot_mapping.contiguous();
   const int64_t* slot = slots.const_data_ptr<int64_t>();
   const int64_t num_tokens = key.size(0), num_heads = key.size(1);
-  const int64_t block_size = key_cache.size(2), num_slots = key_cache.size(0) * block_size;
+  const int64_t block_size = key_cache.size(2);
   const int64_t row_bytes = key.size(2) * key.element_size(), elem = key.element_size();
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    TORCH_CHECK(slot[t] < num_slots, "slot ", slot[t], " out of range (", num_slots, " slots)");
-  }
 
   auto copy = [&](const at::Tensor& src, at::Tensor& cache, int64_t t) {
     const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
@@ -67,14 +56,22 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   });
 }
 
-void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping) {
-  TORCH_CHECK(key_caches.size() == value_caches.size(), "need as many value caches as key caches");
-  check_mapping(block_mapping);
+void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping,
+                 const std::optional<at::Tensor>& cache_ptrs) {
+  (void)cache_ptrs;  // the CUDA kernel's device pointer table; the CPU loop needs none
+  TORCH_CHECK(key_caches.size() == value_caches.size(), "copy_blocks: need as many value caches as key caches");
+  if (key_caches.empty()) return;
+  std::vector<at::Tensor> caches(key_caches.begin(), key_caches.end());
+  caches.insert(caches.end(), value_caches.begin(), value_caches.end());
+  const int64_t num_blocks = caches[0].dim() >= 1 ? caches[0].size(0) : 0;
+  for (const at::Tensor& cache : caches) {
+    TORCH_CHECK(cache.dim() >= 1 && cache.size(0) == num_blocks,
+                "copy_blocks: caches must be block-major [num_blocks, ...] with one number of blocks");
+  }
+  checks::check_mapping_on_host(block_mapping, num_blocks, num_blocks, "copy_blocks");
   const at::Tensor mapping = block_mapping.contiguous();
   const int64_t* pairs = mapping.const_data_ptr<int64_t>();
   const int64_t num_pairs = mapping.size(0);
-  std::vector<at::Tensor> caches(key_caches.begin(), key_caches.end());
-  caches.insert(caches.end(), value_caches.begin(), value_caches.end());
   for (const at::Tensor& cache : caches) {
     const int64_t bytes = block_bytes(cache);
     at::parallel_for(0, num_pairs, 16, [&](int64_t begin, int64_t end) {
@@ -88,11 +85,12 @@ void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const a
 void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
   TORCH_CHECK(src.scalar_type() == dst.scalar_type() && src.sizes().slice(1) == dst.sizes().slice(1),
               "src and dst must have the same dtype and block shape");
-  check_mapping(block_mapping);
+  TORCH_CHECK(src.dim() >= 1, "swap_blocks: src and dst must be block-major [num_blocks, ...]");
+  checks::check_mapping_on_host(block_mapping, src.size(0), dst.size(0), "swap_blocks");
   const at::Tensor mapping = block_mapping.contiguous();
   const int64_t* pairs = mapping.const_data_ptr<int64_t>();
   const int64_t bytes = block_bytes(src);
-  TORCH_CHECK(bytes == block_bytes(dst));
+  TORCH_CHECK(bytes == block_bytes(dst), "swap_blocks: src and dst must be contiguous");
   at::parallel_for(0, mapping.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       std::memcpy(block_ptr(dst, pairs[2 * p + 1], bytes), block_ptr(src, pairs[2 * p], bytes), bytes);

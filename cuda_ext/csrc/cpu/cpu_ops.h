@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 namespace paged_serve::cpu {
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
@@ -13,8 +15,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& context_lens, double scale, int64_t max_context_len);
 
-void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
-                 const at::Tensor& block_mapping);
+// cache_ptrs: the CUDA path's device pointer table (ignored here).
+void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping,
+                 const std::optional<at::Tensor>& cache_ptrs);
 
 void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
 

@@ -16,6 +16,7 @@
 
 #pragma once
 
+#include "errors.cuh"
 #include "kernels.h"
 
 #include <cfloat>
@@ -91,6 +92,21 @@ __device__ void block_reduce(float (&v)[GROUP], float (*scratch)[kNumWarps], Op 
   __syncthreads();  // scratch may be reused right after
 }
 
+// The context length a kernel may use for sequence `seq`: context_lens[seq] clamped to what
+// the launch covers (num_partitions * kPartitionSize tokens) and what its block table row
+// holds; a length outside that is reported (kBadContextLen) instead of read past the table.
+__device__ __forceinline__ int guarded_context_len(const int* context_lens, int seq, int num_partitions,
+                                                   const AttentionShape& shape, int* error_flag) {
+  const int len = context_lens[seq];
+  const int64_t limit = min(static_cast<int64_t>(num_partitions) * kPartitionSize,
+                            static_cast<int64_t>(shape.max_blocks_per_seq) * shape.block_size);
+  if (len < 0 || len > limit) {
+    if (threadIdx.x == 0) report_error(error_flag, kBadContextLen);
+    return len < 0 ? 0 : static_cast<int>(limit);
+  }
+  return len;
+}
+
 // GROUP: most query heads per thread block (1, 4 or 8); a KV head's group of
 // num_heads / num_kv_heads query heads is split into ceil(group / GROUP) chunks.
 // Grid: (num_kv_heads * chunks, num_seqs, num_partitions); block: kNumThreads threads.
@@ -105,7 +121,7 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
     float* __restrict__ partial_out,      // [num_seqs, num_heads, num_partitions, head_size]
     float* __restrict__ partial_max,      // [num_seqs, num_heads, num_partitions]
     float* __restrict__ partial_sum,      // [num_seqs, num_heads, num_partitions]
-    const AttentionShape shape, const float scale) {
+    const AttentionShape shape, const float scale, int* error_flag) {
   constexpr int VEC = 16 / sizeof(T);          // elements per 16-byte load
   constexpr int LANES = HEAD_SIZE / VEC;       // threads sharing one K/V row
   constexpr int ROWS = kNumThreads / LANES;    // K/V rows in flight per step
@@ -126,12 +142,14 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
   const int first_head = kv_head * group_size + chunk_start;
   const int num_q = min(GROUP, group_size - chunk_start);
   const int seq = blockIdx.y, part = blockIdx.z, num_partitions = gridDim.z;
-  auto out_row = [&](int g) { return out + seq * shape.out_stride_seq + (first_head + g) * shape.out_stride_head; };
+  auto out_row = [&](int g) {
+    return out + seq * shape.out_stride_seq + static_cast<int64_t>(first_head + g) * shape.out_stride_head;
+  };
   auto partial_index = [&](int g) {
     return (static_cast<int64_t>(seq) * shape.num_heads + first_head + g) * num_partitions + part;
   };
 
-  const int context_len = context_lens[seq];
+  const int context_len = guarded_context_len(context_lens, seq, num_partitions, shape, error_flag);
   if (context_len == 0) {  // nothing to attend to: zeros (the reduce kernel does it otherwise)
     if (num_partitions == 1)
       for (int i = threadIdx.x; i < num_q * HEAD_SIZE; i += kNumThreads) out_row(i / HEAD_SIZE)[i % HEAD_SIZE] = from_float<T>(0.f);
@@ -143,18 +161,45 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
 
   const int lane = threadIdx.x % LANES, row = threadIdx.x / LANES;
   const int* table = block_tables + static_cast<int64_t>(seq) * shape.max_blocks_per_seq;
-  const int64_t lane_offset = kv_head * shape.cache_stride_head + lane * VEC;
-  // Element offset, in either cache, of this lane's 16 bytes of partition token t.
+  const int64_t lane_offset = static_cast<int64_t>(kv_head) * shape.cache_stride_head + lane * VEC;
+  // The partition's block ids are checked once, here, so that the loops below need no check
+  // (a check per K/V row costs registers, and ptxas spills). A bad id anywhere in it: report,
+  // write a neutral result (zeros; in a split context, a partition of weight 0) and stop.
+  __shared__ int bad_block;
+  if (threadIdx.x == 0) bad_block = 0;
+  __syncthreads();
+  for (int b = start / shape.block_size + threadIdx.x; b <= (start + n - 1) / shape.block_size; b += kNumThreads) {
+    if (table[b] < 0 || table[b] >= shape.num_blocks) bad_block = 1;
+  }
+  __syncthreads();
+  if (bad_block) {  // the same for every thread of the block: an early return is safe
+    if (threadIdx.x == 0) report_error(error_flag, kBadBlockId);
+    for (int i = threadIdx.x; i < num_q * HEAD_SIZE; i += kNumThreads) {
+      if (num_partitions == 1) {
+        out_row(i / HEAD_SIZE)[i % HEAD_SIZE] = from_float<T>(0.f);
+      } else {
+        partial_out[partial_index(i / HEAD_SIZE) * HEAD_SIZE + i % HEAD_SIZE] = 0.f;
+      }
+    }
+    if (num_partitions > 1 && static_cast<int>(threadIdx.x) < num_q) {
+      partial_max[partial_index(threadIdx.x)] = -FLT_MAX;
+      partial_sum[partial_index(threadIdx.x)] = 0.f;
+    }
+    return;
+  }
+  // Element offset (int64: pools may pass 2^31 elements), in either cache, of this lane's 16
+  // bytes of partition token t.
   auto row_offset = [&](int t) {
     const int pos = start + t;
-    return table[pos / shape.block_size] * shape.cache_stride_block +
-           (pos % shape.block_size) * shape.cache_stride_token + lane_offset;
+    return static_cast<int64_t>(table[pos / shape.block_size]) * shape.cache_stride_block +
+           static_cast<int64_t>(pos % shape.block_size) * shape.cache_stride_token + lane_offset;
   };
 
   float q[GROUP][VEC];  // this lane's slice of each query head, fp32, pre-scaled (0 past num_q)
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
-    const T* q_row = query + seq * shape.q_stride_seq + (first_head + g) * shape.q_stride_head + lane * VEC;
+    const T* q_row = query + seq * shape.q_stride_seq + static_cast<int64_t>(first_head + g) * shape.q_stride_head +
+                     lane * VEC;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) q[g][i] = g < num_q ? to_float(q_row[i]) * scale : 0.f;
   }
@@ -270,13 +315,13 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_reduce_kernel(
     const float* __restrict__ partial_max,    // [num_seqs, num_heads, num_partitions]
     const float* __restrict__ partial_sum,    // [num_seqs, num_heads, num_partitions]
     const int* __restrict__ context_lens,     // [num_seqs]
-    const AttentionShape shape, const int num_partitions) {
+    const AttentionShape shape, const int num_partitions, int* error_flag) {
   __shared__ float weights[kMaxPartitions];
   __shared__ float scratch[1][kNumWarps];
 
   const int head = blockIdx.x, seq = blockIdx.y;
-  const int64_t out_offset = seq * shape.out_stride_seq + head * shape.out_stride_head;
-  const int context_len = context_lens[seq];
+  const int64_t out_offset = seq * shape.out_stride_seq + static_cast<int64_t>(head) * shape.out_stride_head;
+  const int context_len = guarded_context_len(context_lens, seq, num_partitions, shape, error_flag);
   if (context_len == 0) {
     for (int d = threadIdx.x; d < HEAD_SIZE; d += kNumThreads) out[out_offset + d] = from_float<T>(0.f);
     return;

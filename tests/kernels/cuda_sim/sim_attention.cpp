@@ -13,7 +13,7 @@ using namespace paged_serve::cuda::attention_kernels;
 
 template <typename T, int HEAD_SIZE, int GROUP>
 void run(void* out, const void* query, const void* key_cache, const void* value_cache, const int* block_tables,
-         const int* context_lens, const AttentionShape& shape, float scale, int max_context_len) {
+         const int* context_lens, const AttentionShape& shape, float scale, int max_context_len, int* error_flag) {
   const int num_partitions = attention_num_partitions(max_context_len);
   const int group_size = shape.num_heads / shape.num_kv_heads;
   const int chunks = (group_size + GROUP - 1) / GROUP;
@@ -25,13 +25,13 @@ void run(void* out, const void* query, const void* key_cache, const void* value_
     paged_attention_kernel<T, HEAD_SIZE, GROUP>(
         static_cast<T*>(out), static_cast<const T*>(query), static_cast<const T*>(key_cache),
         static_cast<const T*>(value_cache), block_tables, context_lens, partial_out.data(), partial_max.data(),
-        partial_sum.data(), shape, scale);
+        partial_sum.data(), shape, scale, error_flag);
   });
   if (num_partitions > 1) {
     const cuda_sim::Dim3 reduce_grid{static_cast<unsigned>(shape.num_heads), static_cast<unsigned>(shape.num_seqs), 1};
     cuda_sim::launch(reduce_grid, kNumThreads, [&] {
       paged_attention_reduce_kernel<T, HEAD_SIZE>(static_cast<T*>(out), partial_out.data(), partial_max.data(),
-                                                  partial_sum.data(), context_lens, shape, num_partitions);
+                                                  partial_sum.data(), context_lens, shape, num_partitions, error_flag);
     });
   }
 }
@@ -58,18 +58,19 @@ int run_head_size(const AttentionShape& shape, auto&&... args) {
 }  // namespace
 
 // dtype: 0 float32, 1 float16, 2 bfloat16. strides: q(seq, head), out(seq, head),
-// cache(block, head, token), in elements. Returns 0, or 1 for an unsupported configuration.
+// cache(block, head, token), in elements. error_flag: where the kernels report a bad index
+// (ErrorCode). Returns 0, or 1 for an unsupported configuration.
 extern "C" int sim_paged_attention(void* out, const void* query, const void* key_cache, const void* value_cache,
                                    const int* block_tables, const int* context_lens, int dtype, int num_seqs,
                                    int num_heads, int num_kv_heads, int head_size, int block_size,
-                                   int max_blocks_per_seq, const int64_t* strides, float scale,
-                                   int max_context_len) {
-  const AttentionShape shape{num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq,
+                                   int max_blocks_per_seq, int num_blocks, const int64_t* strides, float scale,
+                                   int max_context_len, int* error_flag) {
+  const AttentionShape shape{num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq, num_blocks,
                              strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], strides[6]};
   switch (dtype) {
-    case 0: return run_head_size<float>(shape, out, query, key_cache, value_cache, block_tables, context_lens, shape, scale, max_context_len);
-    case 1: return run_head_size<__half>(shape, out, query, key_cache, value_cache, block_tables, context_lens, shape, scale, max_context_len);
-    case 2: return run_head_size<__nv_bfloat16>(shape, out, query, key_cache, value_cache, block_tables, context_lens, shape, scale, max_context_len);
+    case 0: return run_head_size<float>(shape, out, query, key_cache, value_cache, block_tables, context_lens, shape, scale, max_context_len, error_flag);
+    case 1: return run_head_size<__half>(shape, out, query, key_cache, value_cache, block_tables, context_lens, shape, scale, max_context_len, error_flag);
+    case 2: return run_head_size<__nv_bfloat16>(shape, out, query, key_cache, value_cache, block_tables, context_lens, shape, scale, max_context_len, error_flag);
     default: return 1;
   }
 }
