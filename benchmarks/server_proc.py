@@ -41,18 +41,25 @@ def start_server(flags: list[str], env: dict[str, str] | None = None,
            "--disable-uvicorn-access-log", "--log-level", "warning", *flags]
     proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None)
     url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, timeout)
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str = "server") -> None:
+    """Poll GET `url`/health until it answers 200. Raises SystemExit if `proc` exits first, or
+    (after killing it) when `timeout` seconds pass."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
+            raise SystemExit(f"{what} exited with {proc.returncode}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise SystemExit("server did not become healthy")
+    raise SystemExit(f"{what} did not become healthy")
 
 
 @contextmanager

@@ -1,0 +1,181 @@
+"""paged-serve against llama.cpp's llama-server, side by side in one run, on the same GGUF and
+the same workload.
+
+Each point (streams S, requests R) starts one server at a time on a free loopback port, sends R
+streaming greedy /v1/completions with ignore_eos, at most S in flight, and stops it before the
+next server starts:
+  - paged-serve with its defaults (fp32) plus any flags after `--`;
+  - llama-server `-m <the default GGUF> -np S --kv-unified -cb -t <cores> -c S*(512+256)`,
+    built from source when missing (benchmarks/llama_cpp_build.py).
+Workload (seeded): prompts 70% 8-63 / 25% 64-255 / 5% 256-511 tokens, outputs 70% 16-63 /
+25% 64-159 / 5% 160-255 tokens; prompts are cut from the built-in corpus with the model's own
+tokenizer, so both servers get the same texts. Metrics as benchmarks/serve.py defines them.
+
+    python -m benchmarks.compare_llama_cpp --points 16:64,64:128 --json r.json --plot r.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.llama_cpp_build import ensure_llama_server
+from benchmarks.serve import Prompt, compute_metrics, send_request
+from benchmarks.server_proc import split_server_flags, start_server, wait_healthy
+from benchmarks.workload import TextSource
+
+PROMPT_BUCKETS = ((0.70, 8, 64), (0.25, 64, 256), (0.05, 256, 512))
+OUTPUT_BUCKETS = ((0.70, 16, 64), (0.25, 64, 160), (0.05, 160, 256))
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def draw(rng: random.Random, buckets) -> int:
+    x, acc = rng.random(), 0.0
+    for weight, lo, hi in buckets:
+        acc += weight
+        if x < acc:
+            return rng.randrange(lo, hi)
+    return rng.randrange(buckets[-1][1], buckets[-1][2])
+
+
+def make_workload(n: int, seed: int, tokenizer) -> list[tuple[Prompt, int]]:
+    """`n` (prompt, max_tokens) pairs; prompt lengths counted with the model's tokenizer."""
+    rng = random.Random(seed)
+    corpus = TextSource.builtin(seed=seed)
+    work = []
+    for _ in range(n):
+        want = draw(rng, PROMPT_BUCKETS)
+        words = corpus.text(rng.randrange(0, 150_000), want * 2)
+        ids = tokenizer.encode(words, add_special_tokens=False)[:want]
+        work.append((Prompt(tokenizer.decode(ids), len(ids)), draw(rng, OUTPUT_BUCKETS)))
+    return work
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_llama(binary: Path, gguf: Path, streams: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(streams),
+           "--kv-unified", "-cb", "-t", str(os.cpu_count() or 2), "-c", str(streams * (512 + 256))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, 300, what=f"llama-server ({' '.join(cmd)})")
+    return proc, url
+
+
+async def drive(url: str, work: list[tuple[Prompt, int]], streams: int) -> dict:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(900, connect=10)) as client:
+        warm = await client.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+        warm.raise_for_status()
+        sem = asyncio.Semaphore(streams)
+
+        async def one(prompt: Prompt, max_tokens: int):
+            async with sem:
+                return await send_request(client, url, MODEL, prompt, max_tokens, True)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(p, m) for p, m in work))
+    end = max((r.chunk_times[-1] for r in results if r.chunk_times), default=time.perf_counter())
+    return compute_metrics(list(results), end - start)
+
+
+def run_point(server: str, streams: int, requests: int, work, flags: list[str], binary: Path | None,
+              gguf: Path) -> dict:
+    if server == "paged-serve":
+        proc, url = start_server(flags)
+    else:
+        proc, url = start_llama(binary, gguf, streams)
+    try:
+        metrics = asyncio.run(drive(url, work[:requests], streams))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return {"server": server, "streams": streams, "requests": requests, **metrics}
+
+
+def row(m: dict) -> str:
+    return (f"{m['server']:<12} {m['streams']:>7} {m['completed']:>4}/{m['requests']:<4} "
+            f"{m['output_throughput']:>9.1f} {m['ttft_ms']['p50']:>9.0f} {m['itl_ms']['p50']:>8.0f} "
+            f"{m['itl_ms']['p99']:>8.0f}")
+
+
+def plot(points: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    streams = sorted({p["streams"] for p in points})
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.38
+    for k, server in enumerate(("paged-serve", "llama-server")):
+        values = [next(p["output_throughput"] for p in points if p["server"] == server and p["streams"] == s)
+                  for s in streams]
+        bars = ax.bar([i + (k - 0.5) * width for i in range(len(streams))], values, width, label=server)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks(range(len(streams)), [f"{s} streams" for s in streams])
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("SmolLM2-135M-Instruct Q4_1, greedy, streaming")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    own, flags = split_server_flags(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--points", default="16:64,64:128", help="streams:requests pairs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--llama-server", help="the binary (default: $LLAMA_SERVER, PATH, or build it)")
+    p.add_argument("--json", help="write all points as JSON")
+    p.add_argument("--plot", help="write a bar chart (PNG)")
+    args = p.parse_args(own)
+
+    from transformers import AutoTokenizer
+
+    from engine.models.loader import default_gguf_path, resolve_model
+
+    gguf = default_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None)[0])
+    binary = ensure_llama_server(args.llama_server)
+    pairs = [tuple(int(x) for x in point.split(":")) for point in args.points.split(",")]
+    work = make_workload(max(r for _, r in pairs), args.seed, tokenizer)
+    print(f"paged-serve flags: {flags or '(defaults)'}; llama-server: {binary}; cores: {os.cpu_count()}")
+    print(f"{'server':<12} {'streams':>7} {'ok':>9} {'out tok/s':>9} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p99':>8}")
+    points = []
+    for streams, requests in pairs:
+        pair = []
+        for server in ("paged-serve", "llama-server"):
+            m = run_point(server, streams, requests, work, flags, binary, gguf)
+            print(row(m), flush=True)
+            pair.append(m)
+        print(f"{'ratio':<12} {streams:>7} {'':>9} {pair[0]['output_throughput'] / pair[1]['output_throughput']:>8.2f}x")
+        points.extend(pair)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "flags": flags,
+                                               "points": points}, indent=2) + "\n")
+    if args.plot:
+        plot(points, args.plot)
+    return 0 if all(m["failed"] == 0 for m in points) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
