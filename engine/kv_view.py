@@ -52,14 +52,6 @@ class KvEventLog:
         return [asdict(e) for e in self._events]
 
 
-def _where(scheduler, group: SequenceGroup) -> str | None:
-    """Which of the scheduler's queues holds the request ("running", "swapped", "waiting")."""
-    for name in ("running", "swapped", "waiting"):
-        if group in getattr(scheduler, name):
-            return name
-    return None
-
-
 def _num_blocks(block_manager, group: SequenceGroup) -> int:
     """The distinct blocks the request's sequences hold (shared ones once), in either pool."""
     ids: set[tuple[str, int]] = set()
@@ -72,12 +64,12 @@ def _num_blocks(block_manager, group: SequenceGroup) -> int:
 def request_summaries(scheduler) -> tuple[list[dict], int]:
     """The requests holding blocks (running, then swapped), oldest first: id, queue, number of
     live sequences and distinct blocks. At most MAX_LISTED_REQUESTS; also returns the total."""
-    groups = list(scheduler.running) + list(scheduler.swapped)
+    groups = [("running", g) for g in scheduler.running] + [("swapped", g) for g in scheduler.swapped]
     listed = []
-    for group in groups[:MAX_LISTED_REQUESTS]:
+    for status, group in groups[:MAX_LISTED_REQUESTS]:
         listed.append({
             "request_id": group.request_id,
-            "status": _where(scheduler, group),
+            "status": status,
             "num_seqs": len(group.unfinished_seqs),
             "num_blocks": _num_blocks(scheduler.block_manager, group),
             "beam_search": group.is_beam_search,
@@ -89,10 +81,11 @@ def request_tables(scheduler, request_id: str) -> dict | None:
     """One request's block tables: per unfinished sequence, its logical -> physical mapping
     with each block's ref count (> 1: shared with a sibling or another request) and whether it
     was a prefix-cache hit at admission. None when no queue holds the request (it finished)."""
-    group = next((g for q in (scheduler.running, scheduler.swapped, scheduler.waiting) for g in q
+    found = next(((name, g) for name in ("running", "swapped", "waiting") for g in getattr(scheduler, name)
                   if g.request_id == request_id), None)
-    if group is None:
+    if found is None:
         return None
+    status, group = found
     bm = scheduler.block_manager
     num_hit_blocks = group.num_cached_tokens // bm.block_size
     seqs = []
@@ -114,7 +107,7 @@ def request_tables(scheduler, request_id: str) -> dict | None:
             "ref_counts": [blocks[b].ref_count for b in table],
             "prefix_hit": [pool == "device" and i < num_hit_blocks for i in range(len(table))],
         })
-    return {"request_id": request_id, "status": _where(scheduler, group), "block_size": bm.block_size,
+    return {"request_id": request_id, "status": status, "block_size": bm.block_size,
             "num_cached_tokens": group.num_cached_tokens, "sequences": seqs}
 
 
