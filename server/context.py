@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 
 from engine.async_engine import AsyncEngine
-from server.errors import OpenAIError
+from server.errors import OpenAIError, shown
 from server.settings import ServerSettings
 
 
@@ -36,8 +36,8 @@ class ServerContext:
         """The served name; 404 for any other model name (None means the served one)."""
         name = self.model_name or ""
         if model is not None and model != name:
-            shown = model if len(model) <= 256 else f"{model[:256]}..."
-            raise OpenAIError(404, f"The model `{shown}` does not exist.", param="model", code="model_not_found")
+            raise OpenAIError(404, f"The model `{shown(model)}` does not exist.", param="model",
+                              code="model_not_found")
         return name
 
     def client_disconnected(self) -> None:

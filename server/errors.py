@@ -65,6 +65,12 @@ def _default_type(status: int) -> str:
     return "invalid_request_error"
 
 
+def shown(text: str, limit: int = 256) -> str:
+    """`text` as an error message quotes it: at most `limit` characters (then "..."), so that a
+    huge name or id sent by a client never comes back whole."""
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param, code=code)
 

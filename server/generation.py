@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -40,7 +40,8 @@ async def start_requests(engine: AsyncEngine, base_id: str, prompts: list[Prompt
     kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(await engine.add_request(f"{base_id}-{i}", prompt.token_ids, params, checked=True,
+            own = params if prompt.max_tokens is None else replace(params, max_tokens=prompt.max_tokens)
+            streams.append(await engine.add_request(f"{base_id}-{i}", prompt.token_ids, own, checked=True,
                                                     output_kind=kind, prompt_text=prompt.text, grammar=prompt.grammar))
     except BaseException as exc:
         release(engine, streams)

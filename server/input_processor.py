@@ -33,6 +33,7 @@ class Prompt:
     token_ids: list[int]
     text: str | None  # the prompt's text (given, rendered, or decoded from its ids for echo)
     grammar: Any = None  # its structured-output state, started here (engine.structured_output.GrammarState)
+    max_tokens: int | None = None  # the request's defaulted max_tokens capped to this prompt's room (None: as asked)
 
 
 def context_length_error(prompt_len: int, max_tokens: int | None, max_model_len: int,
@@ -87,11 +88,12 @@ class InputProcessor:
 
     # ---------------------------------------------------------------- completions
     async def completion_prompts(self, prompts: list[str | list[int]], max_tokens: int | None,
-                                 echo: bool = False) -> list[Prompt]:
+                                 echo: bool = False, defaulted: bool = False) -> list[Prompt]:
         """Token ids for each prompt (text is tokenized as the model's tokenizer does by
         default); with `echo`, the text of token-id prompts too. 400 for ids out of the
         vocabulary, a prompt that cannot fit the context with `max_tokens`, or prompts over
-        the request's token limit."""
+        the request's token limit. `defaulted`: `max_tokens` is the server's default, not the
+        request's (`_fit`)."""
         if any(isinstance(p, str) for p in prompts):
             self._need_tokenizer()
         for p in prompts:
@@ -109,8 +111,20 @@ class InputProcessor:
             return out
 
         result = await self._run(work)
-        self._check_lengths([len(p.token_ids) for p in result], max_tokens, "prompt")
-        return result
+        return self._fit(result, max_tokens, defaulted, "prompt")
+
+    def _fit(self, prompts: list[Prompt], max_tokens: int | None, defaulted: bool, param: str) -> list[Prompt]:
+        """`_check_lengths`, with a defaulted `max_tokens` capped at each prompt's room.
+        NOTE: a default is not the user's ask, so (as vLLM does) a long prompt gets the room
+        left in the context rather than a 400; only a prompt that leaves no room at all (or an
+        explicit max_tokens that does not fit) is refused."""
+        lengths = [len(p.token_ids) for p in prompts]
+        if not defaulted or max_tokens is None:
+            self._check_lengths(lengths, max_tokens, param)
+            return prompts
+        self._check_lengths(lengths, None, param)  # at least one token of room
+        return [p if n + max_tokens <= self.max_model_len else replace(p, max_tokens=self.max_model_len - n)
+                for p, n in zip(prompts, lengths)]
 
     def _check_lengths(self, lengths: list[int], max_tokens: int | None, param: str) -> None:
         total = sum(lengths)
@@ -157,9 +171,11 @@ class InputProcessor:
             return apply_chat_template(tokenizer, messages, chat_template=self.chat_template, tools=tools)
         return apply_chat_template(tokenizer, text_messages(messages, plan), chat_template=self.chat_template)
 
-    async def chat_prompt(self, messages: list[dict], plan: ToolPlan | None, max_tokens: int | None) -> Prompt:
+    async def chat_prompt(self, messages: list[dict], plan: ToolPlan | None, max_tokens: int | None,
+                          defaulted: bool = False) -> Prompt:
         """The rendered, tokenized chat prompt (the template holds its special tokens: none are
-        added); 400 if it cannot fit the context with `max_tokens`."""
+        added); 400 if it cannot fit the context with `max_tokens` (capped instead when
+        `defaulted`, as `completion_prompts`)."""
         self._need_tokenizer()
 
         def work() -> Prompt:
@@ -167,7 +183,7 @@ class InputProcessor:
             return Prompt(self.tokenizer(text, add_special_tokens=False).input_ids, text)
 
         prompt = await self._run(work)
-        self._check_lengths([len(prompt.token_ids)], max_tokens, "messages")
+        (prompt,) = self._fit([prompt], max_tokens, defaulted, "messages")
         return prompt
 
     # ---------------------------------------------------------------- /tokenize, /detokenize

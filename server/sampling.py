@@ -159,12 +159,21 @@ def _check_max_tokens(max_tokens: int | None, settings: ServerSettings, param: s
 
 def _default_max_tokens(default: int | None, settings: ServerSettings) -> int | None:
     """A request that does not set max_tokens gets `default` (None: the rest of the context),
-    capped at --max-tokens-limit: the limit bounds every generation, asked for or not.
-    NOTE: a capped default counts against the context like an explicit max_tokens would."""
+    capped at --max-tokens-limit: the limit bounds every generation, asked for or not. The
+    input processor then caps it at each prompt's room in the context (`max_tokens_defaulted`)."""
     limit = settings.max_tokens_limit
     if limit is None:
         return default
     return limit if default is None else min(default, limit)
+
+
+def max_tokens_defaulted(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether the request left its completion's length to the server (the model's
+    max_new_tokens, OpenAI's 16, --max-tokens-limit): a default the input processor caps at the
+    context left after the prompt, where an explicit max_tokens that does not fit is a 400."""
+    if isinstance(req, ChatCompletionRequest):
+        return req.max_completion_tokens is None and req.max_tokens is None
+    return "max_tokens" not in req.model_fields_set or req.max_tokens is None
 
 
 def _build(kwargs: dict) -> SamplingParams:

@@ -36,7 +36,7 @@ from server.protocol import (
     random_id,
 )
 from server.routes.common import require_ready
-from server.sampling import chat_params
+from server.sampling import chat_params, max_tokens_defaulted
 from server.structured import constraint_param
 from server.streaming import SSE_HEADERS, sse, sse_body
 from server.tools import (
@@ -108,7 +108,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     plan = plan_tools(req, ctx.settings)
     messages = to_template_messages(req.messages)
     params = chat_params(req, ctx.settings, ctx.vocab_size, plan, ctx.generation_defaults)
-    prompt = await ctx.inputs.chat_prompt(messages, plan, params.max_tokens)
+    prompt = await ctx.inputs.chat_prompt(messages, plan, params.max_tokens, defaulted=max_tokens_defaulted(req))
     tool_call = plan.guided is not None and params.guided_decoding is plan.guided
     (prompt,) = await ctx.inputs.with_grammars([prompt], params.guided_decoding,
                                                "tools" if tool_call else constraint_param(req),

@@ -27,7 +27,7 @@ from server.protocol import (
     random_id,
 )
 from server.routes.common import require_ready
-from server.sampling import completion_params
+from server.sampling import completion_params, max_tokens_defaulted
 from server.structured import constraint_param
 from server.streaming import SSE_HEADERS, sse, sse_body
 
@@ -62,7 +62,8 @@ async def create_completion(req: CompletionRequest, request: Request) -> Respons
     model = ctx.check_model(req.model)
     prompts = _prompts(req, ctx)
     params = completion_params(req, ctx.settings, ctx.vocab_size, ctx.generation_defaults)
-    inputs = await ctx.inputs.completion_prompts(prompts, params.max_tokens, echo=bool(req.echo))
+    inputs = await ctx.inputs.completion_prompts(prompts, params.max_tokens, echo=bool(req.echo),
+                                                 defaulted=max_tokens_defaulted(req))
     inputs = await ctx.inputs.with_grammars(inputs, params.guided_decoding, constraint_param(req))
     request_id = random_id("cmpl")
     streams = await start_requests(ctx.engine, request_id, inputs, params, bool(req.stream))

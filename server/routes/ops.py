@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from server.context import get_ctx
-from server.errors import OpenAIError
+from server.errors import OpenAIError, shown
 
 router = APIRouter()
 
@@ -43,7 +43,7 @@ async def kv_request(request_id: str, request: Request) -> JSONResponse:
     ctx = get_ctx(request)
     tables = await ctx.engine.request_blocks(request_id)
     if tables is None:
-        raise OpenAIError(404, f"No request {request_id!r} holds KV blocks (it may have finished).",
+        raise OpenAIError(404, f"No request {shown(request_id)!r} holds KV blocks (it may have finished).",
                           code="request_not_found")
     return JSONResponse(tables)
 

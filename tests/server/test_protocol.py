@@ -4,6 +4,8 @@ Generations stay a few tokens long (2 CPU cores)."""
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import openai
 import pytest
@@ -98,6 +100,23 @@ def test_unknown_model_is_404(real_server, model):
                       {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}), 404, "model")
     assert_error(httpx.get(real_server.url + "/v1/models/gpt-4"), 404)
     assert httpx.get(real_server.url + f"/v1/models/{model}").json()["id"] == model
+
+
+def test_unknown_request_id_is_404_without_echoing_it_whole(real_server):
+    """/kv/requests/{id} quotes an unknown id as the model check quotes a model name: at most
+    256 characters. (A 100 kB id never reaches the route: the HTTP layer refuses the request
+    line first, and does not echo it either.)"""
+    assert "'gone'" in assert_error(httpx.get(real_server.url + "/kv/requests/gone"), 404)["message"]
+    err = assert_error(httpx.get(real_server.url + "/kv/requests/" + "x" * 10_000, timeout=30), 404)
+    assert err["code"] == "request_not_found"
+    assert "x" * 256 + "..." in err["message"] and len(err["message"]) < 400
+    with socket.create_connection(("127.0.0.1", real_server.port), timeout=30) as sock:  # past httpx's URL limit
+        sock.sendall(b"GET /kv/requests/" + b"y" * 100_000 + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith((b"HTTP/1.1 400", b"HTTP/1.1 404", b"HTTP/1.1 414")) and len(answer) < 1000, answer[:300]
+    assert httpx.get(real_server.url + "/health").status_code == 200
 
 
 def test_unknown_route_and_method(real_server):
