@@ -255,11 +255,11 @@ class BlockManager:
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
         """Make sure the slot of the sequence's last token exists and is private.
         Returns a (src, dst) copy-on-write pair when a shared block had to be copied."""
-        table, pool = self.tables[seq.seq_id], self.device
-        if len(table) * self.block_size < len(seq):
+        table, pool, n = self.tables[seq.seq_id], self.device, len(seq)
+        if len(table) * self.block_size < n:
             table.append(pool.allocate().block_id)
             return None
-        idx = self.num_blocks_for(len(seq)) - 1
+        idx = (n - 1) // self.block_size  # the last token's block
         last = pool.blocks[table[idx]]
         if last.ref_count == 1:
             return None

@@ -221,21 +221,27 @@ class LLMEngine:
         rows = [self._row(seq, group) for group, seqs, _ in work for seq in seqs]
         if not rows:
             return
-        index = torch.tensor([i for _, seqs, i in work for _ in seqs], device=logits.device)
-        logits = logits.index_select(0, index)
+        index = [i for _, seqs, i in work for _ in seqs]
         flat = [seq for _, seqs, _ in work for seq in seqs]
-        apply_grammar_masks(logits, [(k, seq.grammar) for k, seq in enumerate(flat) if seq.grammar is not None])
+        grammars = [(k, seq.grammar) for k, seq in enumerate(flat) if seq.grammar is not None]
+        # NOTE: when every row samples once, in order (the common decode step), and no grammar
+        # masks them (in place: the model's logits are read-only), the rows need no gather.
+        if grammars or len(index) != logits.shape[0] or index != list(range(len(index))):
+            logits = logits.index_select(0, torch.tensor(index, device=logits.device))
+        apply_grammar_masks(logits, grammars)
         samples = self._sample(logits, rows)
         k = 0
+        progress = self.stats.progress
         for group, seqs, _ in work:
-            chunk = samples[k : k + len(seqs)]
-            k += len(seqs)
+            n = len(seqs)
+            chunk = samples[k : k + n]
+            k += n
             try:
-                if any(r is None for r in chunk):
+                if None in chunk:
                     raise RuntimeError("sampling failed for this request")
                 for seq, sample in zip(seqs, chunk):
                     self._append(seq, group, sample)
-                self.stats.progress(group, len(seqs), now)
+                progress(group, n, now)
             except Exception as e:  # one request's failure must not take the others down
                 self._fail(group, e)
 
@@ -276,11 +282,15 @@ class LLMEngine:
 
     def _row(self, seq: Sequence, group: SequenceGroup) -> SamplingRow:
         p = group.params
-        masked: frozenset[int] = frozenset()
-        if len(seq.output_token_ids) < p.min_tokens:
-            masked = group.stop_token_set
-            if self.eos_token_id is not None and not p.ignore_eos:
-                masked = masked | {self.eos_token_id}
+        if len(seq.output_token_ids) >= p.min_tokens:
+            # NOTE: the same row at every step from here on (it holds the live token lists).
+            row = seq.sampling_row
+            if row is None:
+                row = seq.sampling_row = SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
+            return row
+        masked = group.stop_token_set  # min_tokens not reached: no stop yet
+        if self.eos_token_id is not None and not p.ignore_eos:
+            masked = masked | {self.eos_token_id}
         return SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids, seq.generator, masked)
 
     def _fork(self, parent: Sequence, group: SequenceGroup, count: int,

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 PROMPT_LOGPROB_CHUNK_ROWS = 256
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqInput:
     """One scheduled sequence, as the model sees it."""
 

@@ -17,7 +17,7 @@ class OutputKind(enum.Enum):
     FINAL_ONLY = "final"  # nothing until the request finishes, then everything
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     logprob: float  # the model's log-probability of this token (raw logits, before sampling settings)
     rank: int  # 1 = the most likely token
@@ -29,7 +29,7 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int  # which of the request's n choices this is
     text: str  # the text generated so far (DELTA: since the last output); stop string removed unless kept
@@ -44,7 +44,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -60,7 +60,7 @@ class RequestOutput:
 
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Timestamps (time.monotonic()) and sizes of one request, for latency metrics."""
 

@@ -21,10 +21,19 @@ def _index(ids: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
+def argmax_rows(t: torch.Tensor) -> torch.Tensor:
+    """The index of each row's first maximum (a NaN counts as the maximum), as torch.argmax."""
+    if t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.shape[1] > 0:
+        # NOTE: numpy's argmax has the same semantics and is 3-10x faster than torch's on CPU
+        # (measured with torch 2.13 at [256, 1024] and [256, 49152], one thread).
+        return torch.from_numpy(t.numpy().argmax(axis=-1).astype("int64", copy=False))
+    return t.argmax(dim=-1)
+
+
 def _greedy(adjusted: torch.Tensor, fallback) -> torch.Tensor:
     """The argmax of each row; `fallback(dead)` for rows whose every logit is -inf."""
-    # NOTE: torch.argmax picks the first maximum, exactly as HF greedy decoding does.
-    ids = adjusted.argmax(dim=-1)
+    # NOTE: the first maximum, exactly as HF greedy decoding picks it.
+    ids = argmax_rows(adjusted)
     dead = adjusted.gather(1, ids[:, None])[:, 0] == _NEG_INF
     if bool(dead.any()):
         ids[dead] = fallback(dead.nonzero()[:, 0])
@@ -92,9 +101,10 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams], fallback, lazy: b
         top_p = torch.tensor([params[i].top_p for i in sel], dtype=torch.float32, device=dev)
         sub = _rows(logits, sel)
         if lazy:
-            # NOTE: a copy, since min-p edits `logits` below; the exact path is kept for rows
+            # NOTE: a copy when min-p edits `logits` below; the exact path is kept for rows
             # that the rejection does not settle quickly.
-            ref = sub.clone() if sub is logits else sub
+            min_p_follows = any(params[i].min_p > 0.0 for i in sel)
+            ref = sub.clone() if sub is logits and min_p_follows else sub
             nucleus = _Nucleus(_index(sel, dev), ref, top_p, None, None)
         else:
             cut = _top_p_cutoff(sub, top_p)
@@ -190,29 +200,42 @@ def _draw(probs: torch.Tensor, generators: list[Generator | None], nucleus: _Nuc
     rounds (the nucleus holds at least top_p of the mass, so rarely) the rows left use the
     exact, sorting cut-off. One pass over the vocabulary per round instead of a sort.
     """
-    cdf = probs.cumsum(dim=-1)
-    tokens = _invert(cdf, _uniforms(generators))
+    tokens = _invert(probs, _uniforms(generators))
     if nucleus is None:
         return tokens
     pending = torch.arange(len(nucleus.rows), device=probs.device)  # positions in nucleus
+    everyone = len(nucleus.rows) == probs.shape[0]  # then rows == pending at the first round
     for _ in range(_TOP_P_ROUNDS):
-        rows = nucleus.rows.index_select(0, pending)
-        ref = nucleus.logits.index_select(0, pending)
-        mass = (probs if nucleus.probs_ref is None else nucleus.probs_ref)
-        mass = mass.index_select(0, rows if nucleus.probs_ref is None else pending)
+        if everyone:  # NOTE: the common first round: every row, no gathers of whole rows
+            rows, ref, everyone = pending, nucleus.logits, False
+            mass = probs if nucleus.probs_ref is None else nucleus.probs_ref
+        else:
+            rows = nucleus.rows.index_select(0, pending)
+            ref = nucleus.logits.index_select(0, pending)
+            mass = (probs if nucleus.probs_ref is None else nucleus.probs_ref)
+            mass = mass.index_select(0, rows if nucleus.probs_ref is None else pending)
         chosen = ref.gather(1, tokens.index_select(0, rows)[:, None])
-        above = (mass * (ref > chosen)).sum(dim=-1)
+        above = _mass_above(ref, chosen, mass)
         rejected = ~(above < nucleus.top_p.index_select(0, pending))
         pending = pending[rejected]
         if pending.numel() == 0:
             return tokens
         rows = rows[rejected]
         gens = [generators[i] for i in rows.tolist()]
-        tokens[rows] = _invert(cdf.index_select(0, rows), _uniforms(gens))
+        tokens[rows] = _invert(probs.index_select(0, rows), _uniforms(gens))
     rows = nucleus.rows.index_select(0, pending)
     exact = nucleus.exact(pending)
-    tokens[rows] = _invert(exact.cumsum(dim=-1), _uniforms([generators[i] for i in rows.tolist()]))
+    tokens[rows] = _invert(exact, _uniforms([generators[i] for i in rows.tolist()]))
     return tokens
+
+
+def _mass_above(ref: torch.Tensor, chosen: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Per row, the sum of `mass` over the tokens whose `ref` logit is above `chosen` [rows, 1]."""
+    # NOTE: sign(ref - chosen) clamped at 0 is the indicator of ref > chosen, and ~2x faster on
+    # CPU than a bool comparison times the mass. A NaN (-inf - -inf: a row with nothing left,
+    # whose chosen token is its fallback) is no token above it, as the comparison says.
+    above = torch.sign(ref - chosen).clamp_(min=0.0).nan_to_num_(nan=0.0)
+    return above.mul_(mass).sum(dim=-1)
 
 
 def _uniforms(generators: list[Generator | None]) -> torch.Tensor:
@@ -237,9 +260,36 @@ def _uniforms(generators: list[Generator | None]) -> torch.Tensor:
     return u
 
 
-def _invert(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The token at which each row's CDF passes u times its total."""
-    total = cdf[:, -1:]
+def _invert(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token at which each row's CDF passes u times the row's total mass.
+
+    In two levels, which reads each row once instead of one long cumulative sum (~3x slower on
+    CPU): the CDF over blocks of `width` tokens picks the block, then the CDF inside that block
+    picks the token. The position inside the block is relative to the block's start and kept
+    strictly below the block's own total, so the search lands on a token whose probability is
+    positive whatever the rounding of the two sums."""
+    rows, vocab = probs.shape
+    width = _block_width(vocab)
+    pad = -vocab % width
+    if pad:
+        probs = torch.nn.functional.pad(probs, (0, pad))
+    blocks = probs.view(rows, -1, width)
+    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [rows, blocks]
+    total = block_cdf[:, -1:]
     # NOTE: u < 1, but u * total may round up to total; stay strictly below it.
-    target = torch.minimum(u.to(cdf.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+    target = torch.minimum(u.to(probs.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=blocks.shape[1] - 1)  # [rows, 1]
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_(min=0)), torch.zeros_like(target))
+    inner = blocks.gather(1, block[:, :, None].expand(rows, 1, width))[:, 0].cumsum(dim=-1)  # [rows, width]
+    end = inner[:, -1:]
+    offset = torch.minimum((target - before).clamp_(min=0.0), torch.nextafter(end, torch.zeros_like(end)))
+    token = torch.searchsorted(inner, offset, right=True).clamp_(max=width - 1)
+    return (block * width + token)[:, 0].clamp_(max=vocab - 1)
+
+
+def _block_width(vocab: int) -> int:
+    """A power of two near sqrt(vocab), at least 16: both levels of `_invert` stay short."""
+    width = 16
+    while width * width < vocab:
+        width *= 2
+    return width

@@ -33,11 +33,11 @@ from engine.random_sampling import (  # noqa: F401 (_sampling_probs: the tests' 
     _rows,
     _sampling_probs,
 )
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import _GREEDY_EPS, SamplingParams
 
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
     """One sequence's row of the logits and what the sampler needs to know about it."""
 
@@ -52,7 +52,7 @@ class SamplingRow:
     masked_token_ids: set[int] | frozenset[int] = frozenset()
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleResult:
     token_id: int
     # Raw model log-probability of token_id, and its 1-based rank in the raw distribution; None
@@ -72,20 +72,31 @@ class Sampler:
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
         if not rows:
             return []
-        adjusted = self._adjusted(logits, rows, copy=False)
+        # NOTE: one pass over the rows sorts them (greedy or random, scored, edited): this runs
+        # for every sequence at every step.
+        greedy, random, scored = [], [], []
+        edits = logits.dtype != torch.float32
+        for i, r in enumerate(rows):
+            p = r.params
+            (greedy if p.temperature < _GREEDY_EPS else random).append(i)
+            if p.logprobs is not None or p.best_of > p.n:  # needs_scores
+                scored.append(i)
+            if not edits and _edits(r):
+                edits = True
+        adjusted = self._adjusted(logits, rows, copy=False) if edits else logits
 
-        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-        random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        if greedy:
-            token_ids[_index(greedy, logits.device)] = _greedy(_rows(adjusted, greedy), _raw_argmax(logits, greedy))
-        if random:
+        if not random:
+            token_ids = _greedy(adjusted, _raw_argmax(logits, greedy))
+        else:
+            token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            if greedy:
+                token_ids[_index(greedy, logits.device)] = _greedy(_rows(adjusted, greedy),
+                                                                   _raw_argmax(logits, greedy))
             params = [rows[i].params for i in random]
             sub = _rows(adjusted, random)
             probs, nucleus = _sampling_probs(sub, params, _raw_argmax(logits, random), lazy_top_p=True)
             token_ids[_index(random, logits.device)] = _draw(probs, [rows[i].generator for i in random], nucleus)
         # NOTE: scoring costs full-vocabulary passes (logsumexp, rank): only for rows that use it.
-        scored = [i for i, r in enumerate(rows) if needs_scores(r.params)]
         if len(scored) == len(rows):
             return score_tokens(logits, token_ids, [r.params.logprobs for r in rows])
         results = [SampleResult(t, None, None, None) for t in token_ids.tolist()]

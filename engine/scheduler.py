@@ -63,7 +63,7 @@ from engine.config import SchedulerConfig
 from engine.kv_view import KvEventLog
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.step_plan import StepPlan, logprobs_pending
+from engine.step_plan import StepPlan, all_at_once, has_waiting, logprobs_pending
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
 
@@ -115,9 +115,12 @@ class Scheduler:
         requests that finished (they leave `running`). The only post-step caller of the block
         manager."""
         bm = self.block_manager
+        bs, caching = bm.block_size, bm.enable_prefix_caching
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            bm.register_full_blocks(s.seq, s.group.params.cache_salt)
+            seq = s.seq
+            seq.num_computed_tokens += s.num_tokens
+            if caching and seq.num_computed_tokens // bs > seq.num_registered_blocks:  # a block filled
+                bm.register_full_blocks(seq, s.group.params.cache_salt)
         for parent, child in forks:
             child.num_computed_tokens = parent.num_computed_tokens
             bm.fork(parent, child)
@@ -128,14 +131,14 @@ class Scheduler:
     def free_finished(self) -> list[SequenceGroup]:
         """Free the blocks of finished sequences and drop finished requests from `running`
         (`update_from_output` does it after each step). Returns the finished."""
-        done = []
-        for group in list(self.running):
+        done, kept, free = [], [], self.block_manager.free
+        for group in self.running:
             for seq in group.seqs:
-                if seq.status.is_finished:
-                    self.block_manager.free(seq)
-            if group.is_finished:
-                self.running.remove(group)
-                done.append(group)
+                if seq.status > _SWAPPED:  # finished
+                    free(seq)
+            (done if group.is_finished else kept).append(group)
+        if done:
+            self.running[:] = kept
         return done
 
     def has_unfinished(self) -> bool:
@@ -176,7 +179,7 @@ class Scheduler:
         for group in self.running:
             step.schedule_group(group, decode=True, prefill=group is oldest)
         for group in self.running:
-            if group is not oldest and any(s.seq_id not in step.scheduled for s in group.seqs if s.status == _RUNNING):
+            if group is not oldest and step.has_unscheduled(group):
                 step.schedule_group(group, decode=False, prefill=True)
 
         # (2) Leads that are out come in, oldest first.
@@ -188,19 +191,20 @@ class Scheduler:
 
         # (3) Parked extras come back into spare room.
         if not step.out.preempted:
-            for group in [g for g in self.running if g.seqs_with_status(_WAITING)]:
+            for group in [g for g in self.running if has_waiting(g)]:
                 if not self._admit(group, group.seqs_with_status(_WAITING), step, spare=True):
                     break
         out = step.out
         out.scheduled = step.prefills + step.decodes
+        tables = self.block_manager.tables  # NOTE: the live lists (block_table()), looked up once
         for s in out.scheduled:
-            s.block_table = self.block_manager.block_table(s.seq)
+            s.block_table = tables[s.seq.seq_id]
         if out.blocks_to_copy:
             for s, cow in step.scheduled.values():
                 if cow is not None:
                     self.events.record("cow", s.group.request_id, seq_index=s.seq.index, src=cow[0], dst=cow[1],
                                        logical_block=s.block_table.index(cow[1]))
-        out.num_batched_tokens = sum(s.num_tokens for s in out.scheduled)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - step.tokens
         return out
 
     # ---------------------------------------------------------------- making room
@@ -212,7 +216,11 @@ class Scheduler:
         preempted = False
         while True:
             seqs = self._running_seqs()
-            if len(seqs) <= self.config.max_num_seqs and bm.num_append_blocks(seqs) <= bm.num_free_device_blocks:
+            # NOTE: a sequence's next slot takes at most one free block (a new last block, or a
+            # copy of a shared one), so with a free block per sequence no count is needed.
+            if len(seqs) <= self.config.max_num_seqs and (
+                    len(seqs) <= bm.num_free_device_blocks
+                    or bm.num_append_blocks(seqs) <= bm.num_free_device_blocks):
                 return preempted
             if self._park_lowest_extra(step):
                 continue
@@ -295,7 +303,7 @@ class Scheduler:
             seqs = needed = group.seqs_with_status(_SWAPPED)
         else:
             seqs = group.seqs_with_status(_WAITING)
-            needed = seqs if self._all_at_once(group) else seqs[:1]
+            needed = seqs if all_at_once(group) else seqs[:1]
         slots = max(len(needed), group.params.best_of if group.is_beam_search else 0)
 
         def fits() -> bool:
@@ -304,7 +312,7 @@ class Scheduler:
             if swapped:  # each swapped sequence decodes a token (or computes a chunk) at once
                 return bm.can_swap_in(group) and (preempt or step.tokens >= len(needed))
             fits_pool = bm.plan(group, needed).status is AllocStatus.OK
-            return fits_pool and (preempt or self._prefill_fits(group, needed, step))
+            return fits_pool and (preempt or step.prefill_fits(group, needed))
 
         while not fits():
             if self._park_lowest_extra(step):
@@ -337,17 +345,9 @@ class Scheduler:
         room = self.config.max_num_seqs - len(self._running_seqs())
         for j in range(min(len(seqs), max(room, least)), least, -1):
             plan = bm.plan(group, seqs[:j])
-            if plan.status is AllocStatus.OK and (ignore_budget or self._prefill_fits(group, plan, step)):
+            if plan.status is AllocStatus.OK and (ignore_budget or step.prefill_fits(group, plan)):
                 return plan
         return bm.plan(group, seqs[:least])
-
-    def _prefill_fits(self, group: SequenceGroup, seqs_or_plan: list[Sequence] | AdmissionPlan, step: StepPlan) -> bool:
-        """Whether the step's token budget takes these waiting sequences' prefill: all of it
-        without chunking, a first chunk with it."""
-        if step.may_chunk(group):
-            return step.tokens >= 1
-        plan = seqs_or_plan if isinstance(seqs_or_plan, AdmissionPlan) else self.block_manager.plan(group, seqs_or_plan)
-        return plan.num_new_tokens <= step.tokens
 
     def _admit(self, group: SequenceGroup, seqs: list[Sequence], step: StepPlan, spare: bool) -> bool:
         """Admit as many of the parked `seqs` as fit, leaving (`spare`) a free block per running
@@ -356,7 +356,7 @@ class Scheduler:
         running = len(self._running_seqs())
         for j in range(min(len(seqs), self.config.max_num_seqs - running), 0, -1):
             plan = bm.plan(group, seqs[:j], reserve=running + j if spare else 0)
-            if plan.status is AllocStatus.OK and self._prefill_fits(group, plan, step):
+            if plan.status is AllocStatus.OK and step.prefill_fits(group, plan):
                 self._allocate(group, plan, schedule_later=False)
                 step.schedule_group(group, decode=True, prefill=True, only=plan.seqs)
                 return True
@@ -396,10 +396,6 @@ class Scheduler:
         group.set_status(SequenceStatus.FINISHED_ABORTED)
         self.dropped.append(group)
 
-    def _all_at_once(self, group: SequenceGroup) -> bool:
-        """Whether the group's waiting sequences come in together: beams (they sample together)
-        and a request whose prompt logprobs are still to be computed."""
-        return group.is_beam_search or logprobs_pending(group)
 
 def _insert(queue, group: SequenceGroup) -> None:
     """Put `group` in a queue kept in priority order (at the end when it is the newest)."""

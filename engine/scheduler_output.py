@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from engine.sequence import Sequence, SequenceGroup
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence  # the sequence to run
     group: SequenceGroup  # its request

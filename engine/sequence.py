@@ -62,6 +62,7 @@ class Sequence:
         self.generator = generator  # a random.Random seeded for this sample, or None (engine/sampler.py)
         self.detokenizer = None  # engine.tokenizer.IncrementalDetokenizer, set by the engine
         self.grammar = None  # engine.structured_output.GrammarState under structured outputs
+        self.sampling_row = None  # the engine's SamplingRow for it, once min_tokens no longer masks
         # Set by BlockManager.allocate when this sequence was admitted together with a sibling
         # whose first prompt blocks it shares: (that sibling, the shared tokens). The sibling
         # computes them; the scheduler runs this one only once they are (or will be this step).

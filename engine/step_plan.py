@@ -7,16 +7,29 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.block_manager import BlockManager
+from engine.block_manager import AdmissionPlan, BlockManager
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING
+_WAITING = SequenceStatus.WAITING
 
 
 def logprobs_pending(group: SequenceGroup) -> bool:
     """The request's prompt logprobs are still to be computed (at its first prefill)."""
     return group.params.prompt_logprobs is not None and group.prompt_logprobs is None
+
+
+def all_at_once(group: SequenceGroup) -> bool:
+    """Whether the group's waiting sequences come in together: beams (they sample together)
+    and a request whose prompt logprobs are still to be computed."""
+    return group.is_beam_search or logprobs_pending(group)
+
+
+def has_waiting(group: SequenceGroup) -> bool:
+    """Whether a sequence of the group waits (a parked sample, or a prompt not yet admitted)."""
+    seqs = group.seqs
+    return seqs[0].status == _WAITING if len(seqs) == 1 else any(s.status == _WAITING for s in seqs)
 
 
 class StepPlan:
@@ -40,6 +53,14 @@ class StepPlan:
         prompt logprobs (which need every prompt row in one step) are not still to be computed."""
         return self.chunked and not logprobs_pending(group)
 
+    def prefill_fits(self, group: SequenceGroup, seqs_or_plan: list[Sequence] | AdmissionPlan) -> bool:
+        """Whether the step's token budget takes these waiting sequences' prefill: all of it
+        without chunking, a first chunk with it."""
+        if self.may_chunk(group):
+            return self.tokens >= 1
+        plan = seqs_or_plan if isinstance(seqs_or_plan, AdmissionPlan) else self.block_manager.plan(group, seqs_or_plan)
+        return plan.num_new_tokens <= self.tokens
+
     @staticmethod
     def is_multi_beam(group: SequenceGroup) -> bool:
         """A beam search past its first step: its beams sample together."""
@@ -61,6 +82,21 @@ class StepPlan:
         step's token budget: decodes (`decode`) take a slot for their next token, prefills
         (`prefill`) their next chunk (or all their uncomputed tokens without chunking).
         Beams decode together or not at all; recomputed beams stop a token short."""
+        if only is None and len(group.seqs) == 1:
+            # NOTE: the common case, for every request at every step: one sequence, no beams.
+            seq = group.seqs[0]
+            if seq.status == _RUNNING and seq.seq_id not in self.scheduled and self.tokens >= 1:
+                n = len(seq) - seq.num_computed_tokens  # uncomputed
+                if n <= 1 and seq.output_token_ids:  # decoding
+                    if decode and (seq.waits_for is None or self._caught_up(seq)):
+                        cow = self.block_manager.append_slot(seq)
+                        if cow is not None:
+                            self.out.blocks_to_copy.append(cow)
+                        self._add(ScheduledSeq(seq, group, n, False), cow)
+                    return
+                only = (seq,)
+            else:
+                return
         seqs = list(only) if only is not None else group.seqs_with_status(_RUNNING)
         beams = self.is_multi_beam(group)
         if beams:
@@ -83,6 +119,13 @@ class StepPlan:
                     n = min(n, seq.num_uncomputed_tokens - 1)
                 if 0 < n <= self.tokens and self._caught_up(seq):
                     self._add(ScheduledSeq(seq, group, n, True, samples=n == seq.num_uncomputed_tokens))
+
+    def has_unscheduled(self, group: SequenceGroup) -> bool:
+        """Whether a running sequence of the group has nothing scheduled this step."""
+        seqs, scheduled = group.seqs, self.scheduled
+        if len(seqs) == 1:
+            return seqs[0].status == _RUNNING and seqs[0].seq_id not in scheduled
+        return any(s.seq_id not in scheduled for s in seqs if s.status == _RUNNING)
 
     def _add(self, s: ScheduledSeq, cow: tuple[int, int] | None = None) -> None:
         (self.prefills if s.is_prefill else self.decodes).append(s)
