@@ -147,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-server", help="the binary (default: $LLAMA_SERVER, PATH, or build it)")
     p.add_argument("--json", help="write all points as JSON")
     p.add_argument("--plot", help="write a bar chart (PNG)")
+    p.add_argument("--servers", default="paged-serve,llama-server",
+                   help="which to run (e.g. paged-serve alone, to compare its own settings)")
     args = p.parse_args(own)
+    servers = [s for s in ("paged-serve", "llama-server") if s in args.servers.split(",")]
 
     from transformers import AutoTokenizer
 
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gguf = default_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None)[0])
-    binary = ensure_llama_server(args.llama_server)
+    binary = ensure_llama_server(args.llama_server) if "llama-server" in servers else None
     pairs = [tuple(int(x) for x in point.split(":")) for point in args.points.split(",")]
     work = make_workload(max(r for _, r in pairs), args.seed, tokenizer)
     print(f"paged-serve flags: {flags or '(defaults)'}; llama-server: {binary}; cores: {os.cpu_count()}")
@@ -163,16 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     points = []
     for streams, requests in pairs:
         pair = []
-        for server in ("paged-serve", "llama-server"):
+        for server in servers:
             m = run_point(server, streams, requests, work, flags, binary, gguf)
             print(row(m), flush=True)
             pair.append(m)
-        print(f"{'ratio':<12} {streams:>7} {'':>9} {pair[0]['output_throughput'] / pair[1]['output_throughput']:>8.2f}x")
+        if len(pair) == 2:
+            ratio = pair[0]["output_throughput"] / pair[1]["output_throughput"]
+            print(f"{'ratio':<12} {streams:>7} {'':>9} {ratio:>8.2f}x")
         points.extend(pair)
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "flags": flags,
                                                "points": points}, indent=2) + "\n")
-    if args.plot:
+    if args.plot and len(servers) == 2:
         plot(points, args.plot)
     return 0 if all(m["failed"] == 0 for m in points) else 1
 
