@@ -220,7 +220,9 @@ class BlockManager:
     def register_full_blocks(self, seq: Sequence, salt: str | None) -> None:
         """With prefix caching, publish every newly computed full block of the sequence (of its
         prompt or of generated text: chat history can be reused by later requests too)."""
-        self._register(seq, salt, seq.num_computed_tokens // self.block_size)
+        n = seq.num_computed_tokens // self.block_size
+        if self.enable_prefix_caching and n > seq.num_registered_blocks:  # NOTE: per step, for every sequence
+            self._register(seq, salt, n)
 
     # ---------------------------------------------------------------- decoding
     def _num_append_blocks(self, seqs: list[Sequence], tables: dict[int, list[int]], pool: BlockPool,

@@ -18,8 +18,6 @@ from engine.stop_strings import StopStrings
 from engine.structured_output import MAX_STEP_MASK_S, ConstraintTooComplex, ConstraintUnsatisfiable
 from engine.tokenizer import IncrementalDetokenizer, decode_token
 
-_SWAPPED = SequenceStatus.SWAPPED  # every status past it is finished
-
 
 class OutputProcessor:
     """Settings only (tokenizer, EOS, context length); all state lives on the sequences."""
@@ -133,12 +131,6 @@ class OutputProcessor:
             return self.request_output(group, [self._choice(s, i, kind, want, True) for i, s in enumerate(best)],
                                        kind)
         want, scored = p.logprobs is not None, needs_scores(p)
-        if kind is OutputKind.DELTA and len(group.seqs) == 1:  # NOTE: the common streaming case
-            seq = group.seqs[0]
-            choice = self._choice(seq, seq.index, kind, want, scored)
-            if choice is None and not group.is_finished:
-                return None
-            return self.request_output(group, [choice] if choice is not None else [], kind)
         choices = [self._choice(s, s.index, kind, want, scored) for s in group.seqs]
         if kind is OutputKind.DELTA:
             choices = [c for c in choices if c is not None]
@@ -152,7 +144,7 @@ class OutputProcessor:
         (None when nothing is: no text, no tokens, not newly finished). `scored`: its
         cumulative logprob is known (else reported as None, as vLLM does)."""
         logprobs = seq.output_logprobs if want_logprobs else None
-        end = len(seq.output_text) - (self.held(seq) if seq.stop_state is not None else 0)
+        end = len(seq.output_text) - self.held(seq)
         cumulative = seq.cumulative_logprob if scored else None
         if kind is not OutputKind.DELTA:
             return CompletionOutput(index, seq.output_text[:end], list(seq.output_token_ids), cumulative,
@@ -162,7 +154,7 @@ class OutputProcessor:
             return None
         sent_chars, sent_tokens = seq.delta_sent
         status = seq.status
-        finished = status > _SWAPPED
+        finished = status.is_finished
         tokens = seq.output_token_ids
         n = len(tokens)
         if end <= sent_chars and n == sent_tokens and not finished:
@@ -171,7 +163,7 @@ class OutputProcessor:
         seq.delta_sent_finished = finished
         return CompletionOutput(index, seq.output_text[sent_chars:end], tokens[sent_tokens:],
                                 cumulative, logprobs[sent_tokens:] if logprobs is not None else None,
-                                status.finish_reason if finished else None, seq.stop_reason)
+                                status.finish_reason, seq.stop_reason)
 
     @staticmethod
     def request_output(group: SequenceGroup, outs: list[CompletionOutput],

@@ -97,14 +97,14 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams], fallback, lazy: b
 
     nucleus = None
     sel = top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    min_p_in_nucleus = any(params[i].min_p > 0.0 for i in top_p_rows)
     if sel:
         top_p = torch.tensor([params[i].top_p for i in sel], dtype=torch.float32, device=dev)
         sub = _rows(logits, sel)
         if lazy:
             # NOTE: a copy when min-p edits `logits` below; the exact path is kept for rows
             # that the rejection does not settle quickly.
-            min_p_follows = any(params[i].min_p > 0.0 for i in sel)
-            ref = sub.clone() if sub is logits and min_p_follows else sub
+            ref = sub.clone() if sub is logits and min_p_in_nucleus else sub
             nucleus = _Nucleus(_index(sel, dev), ref, top_p, None, None)
         else:
             cut = _top_p_cutoff(sub, top_p)
@@ -121,7 +121,7 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams], fallback, lazy: b
 
     probs = _with_fallback(logits.softmax(dim=-1), original, fallback or torch.zeros_like)
     if nucleus is not None:
-        if any(params[i].min_p > 0.0 for i in top_p_rows):
+        if min_p_in_nucleus:
             nucleus.probs_ref = nucleus.logits.softmax(dim=-1)
 
         def exact(positions: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from engine.random_sampling import (  # noqa: F401 (_sampling_probs: the tests' 
     _rows,
     _sampling_probs,
 )
-from engine.sampling_params import _GREEDY_EPS, SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 
@@ -72,18 +72,15 @@ class Sampler:
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
         if not rows:
             return []
-        # NOTE: one pass over the rows sorts them (greedy or random, scored, edited): this runs
-        # for every sequence at every step.
+        adjusted = self._adjusted(logits, rows, copy=False)
+        # NOTE: one pass over the rows sorts them (greedy or random, scored): this runs for every
+        # sequence at every step.
         greedy, random, scored = [], [], []
-        edits = logits.dtype != torch.float32
         for i, r in enumerate(rows):
             p = r.params
-            (greedy if p.temperature < _GREEDY_EPS else random).append(i)
-            if p.logprobs is not None or p.best_of > p.n:  # needs_scores
+            (greedy if p.is_greedy else random).append(i)
+            if needs_scores(p):
                 scored.append(i)
-            if not edits and _edits(r):
-                edits = True
-        adjusted = self._adjusted(logits, rows, copy=False) if edits else logits
 
         if not random:
             token_ids = _greedy(adjusted, _raw_argmax(logits, greedy))

@@ -115,12 +115,9 @@ class Scheduler:
         requests that finished (they leave `running`). The only post-step caller of the block
         manager."""
         bm = self.block_manager
-        bs, caching = bm.block_size, bm.enable_prefix_caching
         for s in out.scheduled:
-            seq = s.seq
-            seq.num_computed_tokens += s.num_tokens
-            if caching and seq.num_computed_tokens // bs > seq.num_registered_blocks:  # a block filled
-                bm.register_full_blocks(seq, s.group.params.cache_salt)
+            s.seq.num_computed_tokens += s.num_tokens
+            bm.register_full_blocks(s.seq, s.group.params.cache_salt)
         for parent, child in forks:
             child.num_computed_tokens = parent.num_computed_tokens
             bm.fork(parent, child)
