@@ -38,6 +38,7 @@ class ModelConfig:
     load_format: str  # "auto" | "dummy"
     served_model_name: str
     seed: int
+    linear_kernel: str = "auto"  # engine/models/linear_kernel.py: auto | torch | onednn
 
     @property
     def num_layers(self) -> int:
@@ -91,6 +92,7 @@ class EngineArgs:
     served_model_name: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    linear_kernel: str = "auto"  # auto: the faster of torch / oneDNN here (engine/models/linear_kernel.py)
     device: str = "auto"
     load_format: str = "auto"
     max_model_len: int | None = None
@@ -140,6 +142,8 @@ class EngineArgs:
             dtype = _DTYPES[self.dtype]
         else:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.linear_kernel not in ("auto", "torch", "onednn"):
+            raise ValueError(f"linear_kernel must be one of auto, torch, onednn; got {self.linear_kernel!r}")
 
         path, default_name = resolve_model(self.model, self.load_format)
         hf_config = load_hf_config(path)
@@ -168,6 +172,7 @@ class EngineArgs:
             load_format=self.load_format,
             served_model_name=self.served_model_name or default_name,
             seed=self.seed,
+            linear_kernel=self.linear_kernel,
         )
         cache = CacheConfig(
             block_size=self.block_size,

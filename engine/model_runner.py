@@ -24,6 +24,7 @@ from engine import parallel
 from engine.attention_backend import TorchPagedBackend
 from engine.cache_engine import CacheEngine, num_blocks_from_budget
 from engine.config import CacheConfig, ModelConfig
+from engine.models import linear_kernel
 from engine.models.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -120,6 +121,16 @@ class ModelRunner:
         else:
             load_weights(self.model, model_config.path, model_config.load_format, model_config.seed)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.linear_kernel, why = linear_kernel.choose(self.model, model_config.linear_kernel, device, model_config.dtype)
+        if self.linear_kernel == "onednn":
+            linear_kernel.pack(self.model)
+        logger.info("linear layers: %s (%s)", self.linear_kernel, why)
+        if linear_kernel.reduced_precision_is_slow(device, model_config.dtype):
+            logger.warning(
+                "%s on a CPU without native %s matmuls (AVX512-BF16/FP16, AMX or AVX-NE-CONVERT): every product "
+                "converts to float32 on the fly, several times slower than --dtype float32",
+                str(model_config.dtype).removeprefix("torch."), str(model_config.dtype).removeprefix("torch."),
+            )
         logger.info(
             "model ready: %s, %.1f M parameters%s, %s on %s, in %.1f s",
             model_config.served_model_name,

@@ -15,6 +15,13 @@ from torch import nn
 from engine import parallel
 
 
+def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias) with the kernel engine/models/linear_kernel.py chose for `layer`."""
+    if layer.packed is None:
+        return F.linear(x, layer.weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, layer.packed, bias, "none", [], "")
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split over ranks; no communication."""
 
@@ -25,6 +32,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"{out_features} output features do not split over {self.tp_size} ranks")
         self.weight = nn.Parameter(torch.empty(out_features // self.tp_size, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.packed = None  # the weight in oneDNN's layout, when linear_kernel.pack chose it
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features // self.tp_size), requires_grad=False)
@@ -35,7 +43,7 @@ class ColumnParallelLinear(nn.Module):
         param.copy_(loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -81,6 +89,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"{in_features} input features do not split over {self.tp_size} ranks")
         self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.packed = None
         self.bias = None
         if bias:  # added once, after the reduction
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -90,7 +99,7 @@ class RowParallelLinear(nn.Module):
         param.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self)
         if self.tp_size > 1:
             parallel.all_reduce(y)
         if self.bias is not None:
@@ -127,8 +136,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; each rank computes its slice, then they are gathered."""
 
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__(vocab_size, dim)
+        self.packed = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self)
         if self.tp_size > 1:
             logits = parallel.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

@@ -10,14 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.models import linear_kernel
 from engine.sampling_params import SamplingParams
 from tests.engine.prompts import CASES, prompt_of_length
 
 NEAR_TIE = 1e-4
-# NOTE: CI runs each block size once (alone: 16; batched: 1 and 32); the rest run with -m slow.
+# NOTE: CI runs each block size once (alone: 16; batched: 1 and 32) and each linear kernel once
+# (alone: the auto choice; batched: torch's F.linear and oneDNN); the rest run with -m slow.
 SLOW = pytest.mark.slow
 ALONE = [pytest.param(1, marks=SLOW), 16, pytest.param(32, marks=SLOW)]
-BATCHED = [1, pytest.param(16, marks=SLOW), 32]
+BATCHED = [(1, "torch"), pytest.param(16, "auto", marks=SLOW), (32, "onednn")]
 
 
 @pytest.fixture(scope="session")
@@ -75,10 +77,12 @@ def test_each_prompt_alone(make_llm, cases, reference, block_size):
         assert_matches(out.outputs[0].token_ids, ref, top2, f"prompt {k} ({len(ids)} tokens) alone")
 
 
-@pytest.mark.parametrize("block_size", BATCHED)
-def test_batched_staggered_arrival(make_llm, cases, reference, block_size):
+@pytest.mark.parametrize(("block_size", "kernel"), BATCHED)
+def test_batched_staggered_arrival(make_llm, cases, reference, block_size, kernel):
     """Prompts join a running batch two at a time, every third step."""
-    engine = make_llm(block_size=block_size).engine
+    if kernel == "onednn" and not linear_kernel.onednn_supported(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    engine = make_llm(block_size=block_size, linear_kernel=kernel).engine
     pending = list(enumerate(cases))
     done = {}
     steps = 0
@@ -94,7 +98,7 @@ def test_batched_staggered_arrival(make_llm, cases, reference, block_size):
         engine.block_manager.check_integrity()
     for k, ((ids, _), (ref, top2)) in enumerate(zip(cases, reference)):
         ours = done[f"case-{k}"].outputs[0].token_ids
-        assert_matches(ours, ref, top2, f"prompt {k} ({len(ids)} tokens) batched, block {block_size}")
+        assert_matches(ours, ref, top2, f"prompt {k} ({len(ids)} tokens) batched, block {block_size}, {kernel}")
 
 
 def test_chat_template_answers_paris(make_llm):

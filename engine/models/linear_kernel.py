@@ -1,0 +1,126 @@
+"""Which kernel the model's linear layers multiply with on a CPU, chosen once at start-up.
+
+Two fp32 paths exist in a CPU build of torch:
+
+* ``torch``: ``F.linear``, i.e. the BLAS torch was built with (MKL on x86 wheels);
+* ``onednn``: oneDNN's inner product over a weight reordered once into its blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the pair inductor's
+  weight freezing emits).
+
+Which one is faster depends on the CPU, not on us: on the 2-core AMD EPYC this was written on,
+oneDNN over prepacked weights ran the SmolLM2-135M shapes 1.2-1.5x faster at 256 rows and 2-4x
+at 2-16 rows (the LM head, 49152 x 576: 24 vs 62 GFLOP/s at 16 rows), while MKL on Intel CPUs
+is often on par. So ``auto`` (the default) times both on this model's own weight shapes at a
+decode-sized batch and keeps the faster, logging both rates; ``torch`` and ``onednn`` force
+one. Both compute the same product in fp32 (they differ only in summation order, ~1e-6
+relative), so greedy output still matches HF token for token either way.
+
+Packing replaces a layer's dense weight by the packed copy (memory is not doubled), except
+for an LM head tied to the embedding, whose table the embedding lookup still reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("auto", "torch", "onednn")
+# NOTE: rows per timed product: a decode step's batch on a small CPU server, where the two
+# kernels differ most; prefill-sized products differ by less (1.0-1.5x) and in the same way.
+PROBE_ROWS = 16
+_choices: dict[tuple, tuple[str, str]] = {}  # per process: probed shapes -> (kernel, why)
+
+
+def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed linear runs here (a CPU build with oneDNN; fp32, or bf16 on CPUs
+    with native bf16 support, which oneDNN itself checks when packing)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), None)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 8, dtype=dtype), w, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def reduced_precision_is_slow(device: torch.device, dtype: torch.dtype) -> bool:
+    """bf16 / fp16 on a CPU that cannot multiply in it natively (oneDNN refuses to pack it), where
+    torch's matmuls convert to fp32 on the fly: measured on an AVX2 EPYC at the SmolLM2 shapes,
+    bf16 F.linear ran 14-16 GFLOP/s against fp32's 40-90 (and oneDNN fp32's 68-129)."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not onednn_supported(device, dtype)
+
+
+def linear_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules whose `weight` multiplies activations (they carry a `packed` attribute)."""
+    return [m for m in model.modules() if hasattr(m, "packed") and isinstance(getattr(m, "weight", None), torch.Tensor)]
+
+
+def choose(model: nn.Module, setting: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """(kernel, reason) for a ``--linear-kernel`` setting; raises ValueError for an unknown
+    setting or ``onednn`` where it cannot run."""
+    if setting not in KERNELS:
+        raise ValueError(f"linear_kernel must be one of {', '.join(KERNELS)}; got {setting!r}")
+    if setting == "torch":
+        return "torch", "asked for"
+    supported = onednn_supported(device, dtype)
+    if setting == "onednn":
+        if not supported:
+            raise ValueError(f"linear_kernel 'onednn' needs a CPU build of torch with oneDNN support for {dtype}")
+        return "onednn", "asked for"
+    if not supported:
+        return "torch", f"oneDNN's packed linear is not available for {dtype} on {device.type}"
+    shapes = sorted({tuple(m.weight.shape) for m in linear_layers(model)})
+    key = (tuple(shapes), dtype, torch.get_num_threads())
+    if key not in _choices:
+        _choices[key] = _probe(shapes, dtype)
+    return _choices[key]
+
+
+def pack(model: nn.Module) -> int:
+    """Switch every linear layer to oneDNN over a packed copy of its weight; returns how many."""
+    layers = linear_layers(model)
+    for m in layers:
+        m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+        if not _is_tied(model, m):
+            # NOTE: the dense copy is never read again (loading is over), so it is released.
+            m.weight = nn.Parameter(torch.empty(0, dtype=m.weight.dtype, device=m.weight.device), requires_grad=False)
+    return len(layers)
+
+
+def _is_tied(model: nn.Module, layer: nn.Module) -> bool:
+    """Whether `layer.weight` is also some other module's parameter (a tied LM head)."""
+    return any(other is not layer and getattr(other, "weight", None) is layer.weight for other in model.modules())
+
+
+def _probe(shapes: list[tuple[int, int]], dtype: torch.dtype) -> tuple[str, str]:
+    """Time F.linear against oneDNN on each shape (interleaved, best of three) and pick."""
+    best = {"torch": 0.0, "onednn": 0.0}
+    flops = 0
+    with torch.inference_mode():
+        for n, k in shapes:
+            w = torch.randn(n, k, dtype=dtype)
+            x = torch.randn(PROBE_ROWS, k, dtype=dtype)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            runs = {
+                "torch": lambda x=x, w=w: F.linear(x, w),
+                "onednn": lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+            }
+            times = {name: [] for name in runs}
+            for _ in range(3):
+                for name, run in runs.items():
+                    t0 = time.perf_counter()
+                    run()
+                    times[name].append(time.perf_counter() - t0)
+            for name in runs:
+                best[name] += min(times[name])
+            flops += 2 * PROBE_ROWS * n * k
+    rates = ", ".join(f"{name} {flops / max(t, 1e-9) / 1e9:.0f} GFLOP/s" for name, t in best.items())
+    kernel = "onednn" if best["onednn"] < best["torch"] else "torch"
+    return kernel, f"faster on this model's shapes at {PROBE_ROWS} rows ({rates})"

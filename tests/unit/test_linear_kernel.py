@@ -1,0 +1,96 @@
+"""The linear layers' kernel choice (engine/models/linear_kernel.py): oneDNN over packed weights
+computes what F.linear computes, packing releases the dense copies it replaces (not a tied
+LM head's), and the settings are validated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models import linear_kernel
+from engine.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(
+    not linear_kernel.onednn_supported(CPU, torch.float32), reason="this torch build has no oneDNN"
+)
+
+
+class Tiny(nn.Module):
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.embed = VocabParallelEmbedding(100, 32)
+        self.qkv = QKVParallelLinear(32, 8, 4, 2, bias=True)
+        self.o = RowParallelLinear(32, 32)
+        self.gate_up = MergedColumnParallelLinear(32, [48, 48])
+        self.down = RowParallelLinear(48, 32)
+        self.head = ParallelLMHead(100, 32)
+        if tied:
+            self.head.weight = self.embed.weight
+        torch.manual_seed(0)
+        for p in self.parameters():
+            p.data.normal_(std=0.2)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        q = self.qkv(x)[:, :32]
+        x = x + self.o(q)
+        g, u = self.gate_up(x).chunk(2, dim=-1)
+        x = x + self.down(F.silu(g) * u)
+        return self.head.compute_logits(x)
+
+
+@needs_onednn
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 16, 300])
+def test_packed_model_computes_what_f_linear_computes(tied, rows):
+    model = Tiny(tied)
+    ids = torch.randint(0, 100, (rows,))
+    with torch.inference_mode():
+        want = model(ids)
+        assert linear_kernel.pack(model) == 5
+        got = model(ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packing_releases_dense_weights_but_a_tied_head_keeps_the_embedding_table():
+    untied, tied = Tiny(False), Tiny(True)
+    linear_kernel.pack(untied)
+    linear_kernel.pack(tied)
+    assert all(m.weight.numel() == 0 for m in (untied.qkv, untied.o, untied.gate_up, untied.down, untied.head))
+    assert tied.head.weight is tied.embed.weight and tied.embed.weight.shape == (100, 32)
+    assert tied.qkv.weight.numel() == 0 and tied.qkv.bias.shape == (64,)
+
+
+def test_settings_are_validated():
+    model = Tiny(False)
+    assert linear_kernel.choose(model, "torch", CPU, torch.float32) == ("torch", "asked for")
+    with pytest.raises(ValueError, match="linear_kernel must be one of"):
+        linear_kernel.choose(model, "mkl", CPU, torch.float32)
+    with pytest.raises(ValueError, match="needs a CPU build"):
+        linear_kernel.choose(model, "onednn", torch.device("cuda"), torch.float32)
+    # a GPU never probes: auto means torch there
+    assert linear_kernel.choose(model, "auto", torch.device("cuda"), torch.float32)[0] == "torch"
+
+
+@needs_onednn
+def test_auto_times_both_on_the_models_shapes_and_says_so():
+    kernel, why = linear_kernel.choose(Tiny(False), "auto", CPU, torch.float32)
+    assert kernel in ("torch", "onednn")
+    assert "torch" in why and "onednn" in why and "GFLOP/s" in why
+
+
+def test_engine_args_reject_an_unknown_kernel():
+    from engine.config import EngineArgs
+
+    with pytest.raises(ValueError, match="linear_kernel"):
+        EngineArgs(model="tiny-4kv", load_format="dummy", linear_kernel="blas").create_engine_config()
