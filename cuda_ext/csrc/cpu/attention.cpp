@@ -198,6 +198,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                                          value_cache.const_data_ptr<scalar_t>(), table_data, len_data);
     };
     switch (args.head_size) {
+      case 32: run(std::integral_constant<int, 32>{}); break;
       case 64: run(std::integral_constant<int, 64>{}); break;
       case 128: run(std::integral_constant<int, 128>{}); break;
       default: run(std::integral_constant<int, 0>{}); break;  // generic, any head size
