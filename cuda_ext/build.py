@@ -52,7 +52,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-CPU_SOURCES = ("bindings.cpp", "cpu/attention.cpp", "cpu/cache.cpp")
+CPU_SOURCES = ("bindings.cpp", "cpu/attention.cpp", "cpu/cache.cpp", "cpu/sampling.cpp")
 CUDA_SOURCES = ("cuda/attention.cu", "cuda/cache.cu")
 
 CUDA_FLAGS = ("-O3", "-lineinfo", "-DPAGED_SERVE_WITH_CUDA")
@@ -119,7 +119,10 @@ def cpu_flags(arch: str, machine: str | None = None) -> tuple[str, ...]:
     # its range serially unless the extension itself is compiled with OpenMP (_OPENMP). The
     # extension then needs libgomp.so.1, which resolves to the copy torch has already loaded,
     # so both share one thread pool and torch.set_num_threads governs the kernels too.
-    return ("-O3",) + ((f"-march={march}",) if march else ()) + ("-fopenmp",)
+    # NOTE: -fno-trapping-math -fno-math-errno, as torch itself is built: with trapping math
+    # GCC will not if-convert a float comparison, so a loop with one (a clamp, a masked sum) is
+    # not vectorised; the sampler's exp loop ran 7x slower without it. Results do not change.
+    return ("-O3",) + ((f"-march={march}",) if march else ()) + ("-fopenmp", "-fno-trapping-math", "-fno-math-errno")
 
 
 # The x86-64 micro-architecture levels as /proc/cpuinfo flags (glibc's hwcaps checks; "pni" is

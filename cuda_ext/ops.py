@@ -36,6 +36,8 @@ __all__ = [
     "compiled_library",
     "copy_blocks",
     "copy_blocks_table",
+    "draw_tokens",
+    "draw_tokens_compiled",
     "gather_cached_kv",
     "paged_attention",
     "reshape_and_cache",
@@ -149,6 +151,26 @@ def paged_attention(
             out, query, key_cache, value_cache, block_tables, context_lens, scale,
             max_context_len,
         )
+
+
+def draw_tokens_compiled(logits: Tensor) -> bool:
+    """Whether :func:`draw_tokens` runs the compiled kernel for these logits (CPU ones only)."""
+    return logits.device.type == "cpu" and _compiled_for(logits)
+
+
+def draw_tokens(logits: Tensor, temperature: Tensor, top_p: Tensor, u: Tensor) -> Tensor:
+    """One token per row of ``logits`` (``[rows, vocab]``; ``temperature``, ``top_p``, ``u``:
+    float32 ``[rows]``, temperature > 0 and finite, 0 <= u < 1): softmax at the temperature, the
+    draw at ``u``, top-p's acceptance test; -1 where the draw is rejected or the row has no
+    finite logit. Exactly :func:`cuda_ext.reference.draw_tokens`."""
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    if draw_tokens_compiled(logits):
+        logits = logits if logits.dtype == torch.float32 and logits.stride(-1) == 1 else logits.float().contiguous()
+        torch.ops.paged_serve.draw_tokens(logits, temperature.float().contiguous(), top_p.float().contiguous(),
+                                          u.float().contiguous(), tokens)
+    else:
+        reference.draw_tokens(logits, temperature, top_p, u, tokens)
+    return tokens
 
 
 @dataclass(frozen=True)

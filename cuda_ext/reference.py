@@ -98,3 +98,25 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
     ``block_mapping`` (a CPU tensor); ``src`` and ``dst`` may live on different devices."""
     for s, d in block_mapping.tolist():
         dst[d].copy_(src[s], non_blocking=True)
+
+
+def draw_tokens(logits: Tensor, temperature: Tensor, top_p: Tensor, u: Tensor, tokens: Tensor) -> None:
+    """The sampler's fused draw, written into ``tokens`` (int64 ``[rows]``): per row,
+    ``softmax(logits / temperature)`` (NaN -> -inf, +inf -> the largest float32), the first
+    token whose cumulative mass passes ``u`` times the total (in float64, never a token of
+    mass 0), then top-p's test: -1 (undecided) unless ``top_p >= 1`` or the tokens strictly
+    more likely than the drawn one hold less than ``top_p`` of the mass; -1 also for a row with
+    no finite logit."""
+    f32 = torch.finfo(torch.float32)
+    x = (logits.float() / temperature[:, None]).nan_to_num(nan=float("-inf"), posinf=f32.max, neginf=float("-inf"))
+    best = x.max(dim=-1, keepdim=True).values
+    alive = best[:, 0] > float("-inf")
+    e = torch.where(x == float("-inf"), 0.0, (x - best.clamp(min=-f32.max)).exp()).double()
+    total = e.sum(dim=-1)
+    cdf = e.cumsum(dim=-1)
+    target = u.double() * total
+    tok = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp(max=logits.shape[1] - 1)
+    chosen = x.gather(1, tok[:, None])
+    above = (e * (x > chosen)).sum(dim=-1)
+    accepted = (top_p >= 1.0) | (above < top_p.double() * total)
+    tokens.copy_(torch.where(alive & accepted, tok, -1))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cuda_ext import ops
 from engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -132,6 +133,68 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams], fallback, lazy: b
     return probs, nucleus
 
 
+def draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[Generator | None],
+         fallback) -> torch.Tensor:
+    """One token per row of `logits` (rows that do not decode greedily; never edited), drawn
+    from `params`' distribution with one number per row from `generators` (see `_uniforms`),
+    plus one more per rejected top-p round; `fallback(positions)` gives the tokens of rows
+    left with no finite logit.
+
+    Rows with only temperature and top-p (no top-k, no min-p) on CPU logits go through the
+    compiled `draw_tokens` first: softmax, the draw and top-p's acceptance test in a few passes
+    per row instead of ~15 torch ops over the whole batch (measured on one thread: 8.7 -> 1.7 ms
+    at [256, 1024], 75 -> 10 ms at [64, 49152]); then again for the rows whose draw top-p
+    rejected, each with its next number, as `_draw`'s rounds do. The rows still undecided after
+    those rounds (or with no finite logit) take the general path, which goes on drawing their
+    next numbers.
+    """
+    plain = _plain_rows(logits, params)
+    if len(plain) == len(params):
+        return _fused_draw(logits, params, generators, fallback)
+    if not plain:
+        return _general_draw(logits, params, generators, fallback)
+    # NOTE: a batch mixing both splits, so that one top-k request does not slow every row.
+    tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    plain_set = set(plain)
+    for rows, run in ((plain, _fused_draw), ([i for i in range(len(params)) if i not in plain_set], _general_draw)):
+        index = _index(rows, logits.device)
+        tokens[index] = run(logits.index_select(0, index), [params[i] for i in rows], [generators[i] for i in rows],
+                            lambda dead, index=index: fallback(index[dead]))
+    return tokens
+
+
+def _plain_rows(logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
+    """The rows `_fused_draw` can take: temperature and top-p only, float32 CPU logits."""
+    vocab = logits.shape[1]
+    if logits.dtype != torch.float32 or vocab == 0 or not ops.draw_tokens_compiled(logits):
+        return []
+    return [i for i, p in enumerate(params) if (p.top_k <= 0 or p.top_k >= vocab) and p.min_p <= 0.0]
+
+
+def _fused_draw(logits, params, generators, fallback) -> torch.Tensor:
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).clamp_(max=_F32.max)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    tokens = ops.draw_tokens(logits, temps, top_p, _uniforms(generators))
+    left = (tokens < 0).nonzero()[:, 0]
+    for _ in range(_TOP_P_ROUNDS - 1):  # a rejected row draws again with its next number
+        if not left.numel():
+            return tokens
+        again = ops.draw_tokens(logits.index_select(0, left), temps[left], top_p[left],
+                                _uniforms([generators[i] for i in left.tolist()]))
+        tokens[left] = again
+        left = left[again < 0]
+    if left.numel():
+        pos = left.tolist()
+        tokens[left] = _general_draw(logits.index_select(0, left), [params[i] for i in pos],
+                                     [generators[i] for i in pos], lambda dead: fallback(left[dead]))
+    return tokens
+
+
+def _general_draw(logits, params, generators, fallback) -> torch.Tensor:
+    probs, nucleus = _sampling_probs(logits, params, fallback, lazy_top_p=True)
+    return _draw(probs, generators, nucleus)
+
+
 def _with_fallback(probs: torch.Tensor, logits: torch.Tensor, fallback) -> torch.Tensor:
     """Rows that softmax turned into NaN (no finite logit left; nothing else is NaN after the
     guard) become one-hot: on the argmax of the row's `logits` (before temperature) if that is
@@ -244,8 +307,10 @@ def _uniforms(generators: list[Generator | None]) -> torch.Tensor:
     A seeded row's generator is a `random.Random` (the engine's: a float64 number costs well
     under a microsecond) or a `torch.Generator` (drawn on its own device, so a CPU generator also
     serves CUDA logits; ~10 us each)."""
-    u = torch.empty(len(generators), dtype=torch.float32)
     unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):  # the common case: no list-indexed write
+        return torch.rand(len(generators))
+    u = torch.empty(len(generators), dtype=torch.float32)
     if unseeded:
         u[unseeded] = torch.rand(len(unseeded))
     if len(unseeded) < len(generators):

@@ -26,15 +26,14 @@ from engine.random_sampling import (  # noqa: F401 (_sampling_probs: the tests' 
     _F32,
     _NEG_INF,
     Generator,
-    _draw,
     _greedy,
     _guard_,
     _index,
     _rows,
     _sampling_probs,
+    draw,
 )
 from engine.sampling_params import SamplingParams
-
 
 
 @dataclass(slots=True)
@@ -91,8 +90,8 @@ class Sampler:
                                                                    _raw_argmax(logits, greedy))
             params = [rows[i].params for i in random]
             sub = _rows(adjusted, random)
-            probs, nucleus = _sampling_probs(sub, params, _raw_argmax(logits, random), lazy_top_p=True)
-            token_ids[_index(random, logits.device)] = _draw(probs, [rows[i].generator for i in random], nucleus)
+            token_ids[_index(random, logits.device)] = draw(sub, params, [rows[i].generator for i in random],
+                                                            _raw_argmax(logits, random))
         # NOTE: scoring costs full-vocabulary passes (logsumexp, rank): only for rows that use it.
         if len(scored) == len(rows):
             return score_tokens(logits, token_ids, [r.params.logprobs for r in rows])

@@ -44,6 +44,8 @@ TORCH_LIBRARY(paged_serve, m) {
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping, "
         "Tensor? cache_ptrs=None) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+  // The sampler's fused draw (cpu/sampling.cpp); CPU only: the sampler uses it for CPU logits.
+  m.def("draw_tokens(Tensor logits, Tensor temperature, Tensor top_p, Tensor u, Tensor(a!) tokens) -> ()");
   // The CUDA kernels' report of a bad device-resident index since the last call (a
   // cuda::ErrorCode, 0: none), reset; always 0 in a build without CUDA.
   m.def("take_device_error() -> int", &take_device_error_any);
@@ -54,6 +56,7 @@ TORCH_LIBRARY_IMPL(paged_serve, CPU, m) {
   m.impl("paged_attention", &cpu::paged_attention);
   m.impl("copy_blocks", &cpu::copy_blocks);
   m.impl("swap_blocks", &cpu::swap_blocks);
+  m.impl("draw_tokens", &cpu::draw_tokens);
 }
 
 // The ops only write into tensors they are given, so their shape functions do nothing.
@@ -63,6 +66,7 @@ TORCH_LIBRARY_IMPL(paged_serve, Meta, m) {
                                const at::Tensor&, double, int64_t) {});
   m.impl("copy_blocks", [](at::TensorList, at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&) {});
   m.impl("swap_blocks", [](const at::Tensor&, at::Tensor&, const at::Tensor&) {});
+  m.impl("draw_tokens", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&) {});
 }
 
 #ifdef PAGED_SERVE_WITH_CUDA

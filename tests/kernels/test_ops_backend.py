@@ -130,11 +130,11 @@ def test_load_refuses_an_arch_list_without_code_for_this_gpu(monkeypatch):
 
 # ------------------------------------------------------------------ PAGED_SERVE_CPU_ARCH
 ARCH_FLAGS = [
-    ("native", "x86_64", ("-O3", "-march=native", "-fopenmp")),
-    ("portable", "x86_64", ("-O3", "-march=x86-64-v2", "-fopenmp")),
-    ("portable", "aarch64", ("-O3", "-march=armv8-a", "-fopenmp")),
-    ("portable", "riscv64", ("-O3", "-fopenmp")),  # no known baseline: the compiler's default
-    ("x86-64-v3", "x86_64", ("-O3", "-march=x86-64-v3", "-fopenmp")),
+    ("native", "x86_64", ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno")),
+    ("portable", "x86_64", ("-O3", "-march=x86-64-v2", "-fopenmp", "-fno-trapping-math", "-fno-math-errno")),
+    ("portable", "aarch64", ("-O3", "-march=armv8-a", "-fopenmp", "-fno-trapping-math", "-fno-math-errno")),
+    ("portable", "riscv64", ("-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno")),  # no known baseline: the compiler's default
+    ("x86-64-v3", "x86_64", ("-O3", "-march=x86-64-v3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno")),
 ]
 
 

@@ -416,3 +416,32 @@ def test_top_p_by_rejection_draws_from_the_exact_nucleus(sampler, params):
     freq = torch.bincount(tokens, minlength=50).float() / 20000
     assert (freq[exact == 0] == 0).all()  # never outside the nucleus (and the other filters)
     torch.testing.assert_close(freq, exact, rtol=0, atol=0.015)
+
+
+# --- the fused CPU draw ---------------------------------------------------------------------
+
+
+def test_temperature_and_top_p_rows_take_the_fused_draw_and_others_the_torch_path(sampler, monkeypatch):
+    """Plain rows (temperature / top-p) are drawn by the compiled op, top-k / min-p rows by the
+    torch path, in one mixed batch; every token is one its row allows."""
+    from cuda_ext import ops
+    from engine import random_sampling
+
+    if not ops.draw_tokens_compiled(torch.zeros(1, 1)):
+        pytest.skip("the compiled ops are not loaded")
+    fused_rows, general_rows = [], []
+    real_draw, real_general = ops.draw_tokens, random_sampling._general_draw
+    monkeypatch.setattr(random_sampling.ops, "draw_tokens",
+                        lambda logits, *a: fused_rows.append(logits.shape[0]) or real_draw(logits, *a))
+    monkeypatch.setattr(random_sampling, "_general_draw",
+                        lambda logits, *a: general_rows.append(logits.shape[0]) or real_general(logits, *a))
+    rows = [row(temperature=0.8, top_p=0.95) for _ in range(6)] + [row(temperature=1.0, top_k=3), row(temperature=0.0),
+                                                                  row(temperature=1.0, min_p=0.2)]
+    logits = random_logits(len(rows))
+    tokens = [r.token_id for r in sampler(logits, rows)]
+    assert fused_rows[0] == 6 and general_rows[0] == 2  # the greedy row is neither
+    assert tokens[7] == int(logits[7].argmax())
+    assert tokens[6] in logits[6].topk(3).indices.tolist()
+    for i in (0, 1, 2, 3, 4, 5, 8):
+        allowed = hf_warped(sampler.adjusted_logits(logits[i : i + 1], [rows[i]]), rows[i].params)[0] > 0
+        assert allowed[tokens[i]]

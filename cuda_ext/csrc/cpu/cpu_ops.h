@@ -21,4 +21,8 @@ void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const a
 
 void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
 
+// The sampler's fused softmax / CDF draw / top-p test (sampling.cpp); CPU only.
+void draw_tokens(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_p,
+                 const at::Tensor& u, at::Tensor& tokens);
+
 }  // namespace paged_serve::cpu
