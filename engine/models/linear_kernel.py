@@ -103,10 +103,12 @@ def _probe(shapes: list[tuple[int, int]], dtype: torch.dtype) -> tuple[str, str]
     """Time F.linear against oneDNN on each shape (interleaved, best of three) and pick."""
     best = {"torch": 0.0, "onednn": 0.0}
     flops = 0
+    # NOTE: its own generator: probing must not move the global RNG that unseeded requests use.
+    gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for n, k in shapes:
-            w = torch.randn(n, k, dtype=dtype)
-            x = torch.randn(PROBE_ROWS, k, dtype=dtype)
+            w = torch.randn(n, k, generator=gen).to(dtype)
+            x = torch.randn(PROBE_ROWS, k, generator=gen).to(dtype)
             packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             runs = {
                 "torch": lambda x=x, w=w: F.linear(x, w),

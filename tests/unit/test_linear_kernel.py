@@ -94,3 +94,14 @@ def test_engine_args_reject_an_unknown_kernel():
 
     with pytest.raises(ValueError, match="linear_kernel"):
         EngineArgs(model="tiny-4kv", load_format="dummy", linear_kernel="blas").create_engine_config()
+
+
+@needs_onednn
+def test_probing_leaves_the_global_rng_alone():
+    linear_kernel._choices.clear()
+    model = Tiny(False)
+    torch.manual_seed(5)
+    want = torch.rand(3)
+    torch.manual_seed(5)
+    linear_kernel.choose(model, "auto", CPU, torch.float32)
+    assert torch.equal(torch.rand(3), want)
