@@ -82,9 +82,7 @@ def _sampling_probs(logits: torch.Tensor, params: list[SamplingParams], fallback
 
 def _probs(logits: torch.Tensor, params: list[SamplingParams], fallback, lazy: bool):
     dev, vocab = logits.device, logits.shape[1]
-    # NOTE: 1e308 is inf in float32, and -inf / inf is NaN: clamped to the largest float32, a
-    # huge temperature flattens the finite logits to (nearly) 0, a uniform draw over them.
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev).clamp_(max=_F32.max)
+    temps = _temperatures(params, dev)
     original, logits = logits, _guard_(logits / temps[:, None])  # a fresh tensor: everything below edits it in place
 
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
@@ -172,7 +170,7 @@ def _plain_rows(logits: torch.Tensor, params: list[SamplingParams]) -> list[int]
 
 
 def _fused_draw(logits, params, generators, fallback) -> torch.Tensor:
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).clamp_(max=_F32.max)
+    temps = _temperatures(params, logits.device)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     tokens = ops.draw_tokens(logits, temps, top_p, _uniforms(generators))
     left = (tokens < 0).nonzero()[:, 0]
@@ -193,6 +191,13 @@ def _fused_draw(logits, params, generators, fallback) -> torch.Tensor:
 def _general_draw(logits, params, generators, fallback) -> torch.Tensor:
     probs, nucleus = _sampling_probs(logits, params, fallback, lazy_top_p=True)
     return _draw(probs, generators, nucleus)
+
+
+def _temperatures(params: list[SamplingParams], device: torch.device) -> torch.Tensor:
+    """Each row's temperature as float32. NOTE: 1e308 is inf in float32, and -inf / inf is NaN:
+    clamped to the largest float32, a huge temperature flattens the finite logits to (nearly) 0,
+    a uniform draw over them."""
+    return torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device).clamp_(max=_F32.max)
 
 
 def _with_fallback(probs: torch.Tensor, logits: torch.Tensor, fallback) -> torch.Tensor:
