@@ -38,6 +38,8 @@ one GPU (an H200: sm_90) is never loaded on another (an A100: sm_80) from a shar
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -246,6 +248,9 @@ def source_hash(kind: str, arch: str | None = None) -> str:
             h.update(path.read_bytes())
     h.update(repr((kind, cpu_flags(arch), CUDA_FLAGS, torch.__version__, torch.version.cuda)).encode())
     h.update(_machine_key(arch).encode())
+    # NOTE: cpp_extension writes absolute source paths into build.ninja and rebuilds when they
+    # change, so two checkouts sharing one key would rebuild the library in turn on every start.
+    h.update(str(CSRC).encode())
     if kind == "cuda":
         h.update(_gpu_key().encode())
     return h.hexdigest()[:16]
@@ -296,17 +301,65 @@ def load(kind: str) -> Path:
         )
     start = time.perf_counter()
     cflags = list(cpu_flags(arch))
-    cpp_extension.load(
-        name=name,
-        sources=sources,
-        extra_cflags=cflags + (["-DPAGED_SERVE_WITH_CUDA"] if kind == "cuda" else []),
-        extra_cuda_cflags=cuda_cflags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        with_cuda=kind == "cuda",
-        is_python_module=False,
-        verbose=os.environ.get("PAGED_SERVE_BUILD_VERBOSE", "") not in ("", "0"),
-    )
+    with build_lock(build_dir):
+        cpp_extension.load(
+            name=name,
+            sources=sources,
+            extra_cflags=cflags + (["-DPAGED_SERVE_WITH_CUDA"] if kind == "cuda" else []),
+            extra_cuda_cflags=cuda_cflags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            with_cuda=kind == "cuda",
+            is_python_module=False,
+            verbose=os.environ.get("PAGED_SERVE_BUILD_VERBOSE", "") not in ("", "0"),
+        )
     if first:
         logger.info("built the %s ops in %.1f s", kind.upper(), time.perf_counter() - start)
     return build_dir
+
+
+LOCK_NAME = "paged_serve.lock"
+TORCH_BATON = "lock"  # cpp_extension's FileBaton: a plain file, left behind by a killed build
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """Hold an exclusive ``flock`` on ``build_dir`` while cpp_extension builds or loads there.
+
+    cpp_extension guards a build with a lock *file* that a killed builder never deletes; every
+    later process then waits on it forever (a server stuck "loading" with nothing logged). An
+    flock is dropped by the kernel when its holder dies, so once we hold ours, no live process
+    of ours is building here and a leftover baton is stale: it is removed, with a warning.
+    Waiting for a live builder is logged. A directory we cannot lock (read-only cache, a file
+    system without flock) is used without the lock, as before.
+    """
+    try:
+        fd = os.open(build_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        logger.warning("cannot lock %s (%s); building without a lock", build_dir, exc)
+        yield
+        return
+    try:
+        if _flock(fd, build_dir):
+            baton = build_dir / TORCH_BATON
+            if baton.exists():
+                logger.warning("removing %s, left by a build that was killed", baton)
+                with contextlib.suppress(FileNotFoundError):
+                    baton.unlink()
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def _flock(fd: int, build_dir: Path) -> bool:
+    """Take the exclusive lock on `fd`, waiting (logged) for a holder; False if locks fail."""
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("another process is building the ops in %s; waiting for it", build_dir)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as exc:  # e.g. ENOLCK on some network file systems
+        logger.warning("cannot lock %s (%s); building without a lock", build_dir, exc)
+        return False
+    return True

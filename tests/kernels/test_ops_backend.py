@@ -227,12 +227,17 @@ print(build.load("cpu"))
 @pytest.mark.skipif(build.PORTABLE_MARCH.get(platform.machine().lower()) != "x86-64-v2", reason="x86-64 only")
 def test_portable_build_runs_and_uses_no_avx(tmp_path):
     """A real portable build into an empty cache (about 10 s): it loads, matches the reference,
-    and its code has no AVX instructions (no ymm/zmm registers), so it runs on any x86-64-v2."""
+    and its code has no AVX instructions (no ymm/zmm registers), so it runs on any x86-64-v2.
+    The cache holds the lock file a killed build leaves behind: the build must not wait on it."""
+    stale = tmp_path / f"paged_serve_ops_cpu_{build.source_hash('cpu', 'portable')}" / build.TORCH_BATON
+    stale.parent.mkdir()
+    stale.write_text("")
     env = {**os.environ, "PYTHONPATH": str(REPO), "PAGED_SERVE_EXT_CACHE": str(tmp_path),
            build.CPU_ARCH_ENV: "portable", "PAGED_SERVE_OPS": "compiled", "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-c", PORTABLE_RUN], env=env, capture_output=True, text=True,
-                            timeout=600, check=False)
+                            timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "left by a build that was killed" in result.stderr
     build_dir = Path(result.stdout.strip().splitlines()[-1])
     assert build_dir.parent == tmp_path and build_dir.name.endswith(build.source_hash("cpu", "portable"))
     if shutil.which("objdump") is None:
@@ -242,3 +247,51 @@ def test_portable_build_runs_and_uses_no_avx(tmp_path):
                          check=True).stdout
     assert "%xmm" in asm  # vectorised with SSE
     assert "%ymm" not in asm and "%zmm" not in asm
+
+
+def test_build_lock_waits_for_a_live_builder_and_clears_a_dead_ones_baton(tmp_path, caplog):
+    """The flock is exclusive: a second taker waits (and says so) until the holder lets go;
+    the baton file of a builder that died is removed once the lock is held."""
+    import threading
+
+    (tmp_path / build.TORCH_BATON).write_text("")
+    entered = threading.Event()
+    release = threading.Event()
+
+    def holder():
+        with build.build_lock(tmp_path):
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert entered.wait(10)
+    assert not (tmp_path / build.TORCH_BATON).exists()
+    (tmp_path / build.TORCH_BATON).write_text("")  # the live holder's own baton: must survive
+    got = threading.Event()
+
+    def waiter():
+        with build.build_lock(tmp_path):
+            got.set()
+
+    caplog.set_level("INFO", logger=build.logger.name)
+    second = threading.Thread(target=waiter)
+    second.start()
+    assert not got.wait(0.5)  # blocked while the holder builds
+    assert (tmp_path / build.TORCH_BATON).exists()
+    (tmp_path / build.TORCH_BATON).unlink()  # the holder's build finishes and removes its baton
+    release.set()
+    assert got.wait(10)
+    thread.join(10)
+    second.join(10)
+    assert any("waiting for it" in r.getMessage() for r in caplog.records)
+
+
+def test_build_lock_without_a_writable_directory(tmp_path, caplog):
+    """A cache directory that cannot hold the lock file still lets the build run (unlocked)."""
+    missing = tmp_path / "not-there"
+    ran = False
+    with build.build_lock(missing):
+        ran = True
+    assert ran
+    assert any("building without a lock" in r.getMessage() for r in caplog.records)
