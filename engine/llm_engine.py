@@ -201,46 +201,62 @@ class LLMEngine:
         output processor); new samples and beams go to `forks`, dropped beams to `dropped`,
         for the scheduler's books. A request with best_of > 1 forks after its prompt step: its
         samples share the prompt's blocks and each draws its first token from its own generator."""
-        work: list[tuple[SequenceGroup, list[Sequence], int]] = []  # group, seqs, logits row
+        work: list[tuple[SequenceGroup, list[Sequence]]] = []
         beams: dict[str, tuple[SequenceGroup, list[tuple[Sequence, int]]]] = {}
+        # NOTE: one pass over the step builds the rows, their logits rows and the grammar masks:
+        # this runs for every sequence at every step.
+        rows: list[SamplingRow] = []
+        index: list[int] = []  # the logits row of each entry of `rows`
+        grammars: list[tuple[int, object]] = []
+        in_order = True  # index == [0, 1, 2, ...]
         for i, s in enumerate(sched.scheduled):
             if not s.samples:
                 continue  # a prefill chunk short of the prompt's end: its logits row is ignored
-            if s.group.error is not None:
+            group = s.group
+            if group.error is not None:
                 continue  # failed earlier in this step (its prompt logprobs): no sample
-            if s.group.params.use_beam_search:
-                beams.setdefault(s.group.request_id, (s.group, []))[1].append((s.seq, i))
+            if group.params.use_beam_search:
+                beams.setdefault(group.request_id, (group, []))[1].append((s.seq, i))
                 continue
             seqs = [s.seq]
-            if not s.group.forked:
-                seqs += self._fork(s.seq, s.group, s.group.params.best_of - 1, forks)
-                s.group.forked = True
-            work.append((s.group, seqs, i))
+            if not group.forked:
+                seqs += self._fork(s.seq, group, group.params.best_of - 1, forks)
+                group.forked = True
+            work.append((group, seqs))
+            for seq in seqs:
+                row = seq.sampling_row  # NOTE: once set, valid for good (see _row)
+                rows.append(row if row is not None else self._row(seq, group))
+                if seq.grammar is not None:
+                    grammars.append((len(index), seq.grammar))
+                in_order = in_order and i == len(index)
+                index.append(i)
         for group, seq_rows in beams.values():
             self._beam_step(group, seq_rows, logits, now, forks, dropped)
-        rows = [self._row(seq, group) for group, seqs, _ in work for seq in seqs]
         if not rows:
             return
-        index = [i for _, seqs, i in work for _ in seqs]
-        flat = [seq for _, seqs, _ in work for seq in seqs]
-        grammars = [(k, seq.grammar) for k, seq in enumerate(flat) if seq.grammar is not None]
         # NOTE: when every row samples once, in order (the common decode step), and no grammar
         # masks them (in place: the model's logits are read-only), the rows need no gather.
-        if grammars or len(index) != logits.shape[0] or index != list(range(len(index))):
+        if grammars or not in_order or len(index) != logits.shape[0]:
             logits = logits.index_select(0, torch.tensor(index, device=logits.device))
         apply_grammar_masks(logits, grammars)
         samples = self._sample(logits, rows)
         k = 0
-        progress = self.stats.progress
-        for group, seqs, _ in work:
+        progress, append = self.stats.progress, self._append
+        for group, seqs in work:
             n = len(seqs)
-            chunk = samples[k : k + n]
             k += n
             try:
-                if None in chunk:
-                    raise RuntimeError("sampling failed for this request")
-                for seq, sample in zip(seqs, chunk):
-                    self._append(seq, group, sample)
+                if n == 1:
+                    sample = samples[k - 1]
+                    if sample is None:
+                        raise RuntimeError("sampling failed for this request")
+                    append(seqs[0], group, sample)
+                else:
+                    chunk = samples[k - n : k]
+                    if None in chunk:
+                        raise RuntimeError("sampling failed for this request")
+                    for seq, sample in zip(seqs, chunk):
+                        append(seq, group, sample)
                 progress(group, n, now)
             except Exception as e:  # one request's failure must not take the others down
                 self._fail(group, e)

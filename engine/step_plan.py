@@ -88,8 +88,8 @@ class StepPlan:
             if seq.status == _RUNNING and seq.seq_id not in self.scheduled and self.tokens >= 1:
                 n = len(seq) - seq.num_computed_tokens  # uncomputed
                 if n <= 1 and seq.output_token_ids:  # decoding
-                    if decode and self._caught_up(seq):
-                        self._decode(seq, group)
+                    if decode and (seq.waits_for is None or self._caught_up(seq)):
+                        self._decode(seq, group, n)
                     return
                 only = (seq,)
             else:
@@ -106,7 +106,7 @@ class StepPlan:
                 continue
             if not self._is_prefilling(seq):
                 if decode and self._caught_up(seq):
-                    self._decode(seq, group)
+                    self._decode(seq, group, seq.num_uncomputed_tokens)
             elif prefill:
                 n = self._chunk_size(seq, self.tokens) if self.may_chunk(group) else seq.num_uncomputed_tokens
                 if beams:
@@ -121,12 +121,16 @@ class StepPlan:
             return seqs[0].status == _RUNNING and seqs[0].seq_id not in scheduled
         return any(s.seq_id not in scheduled for s in seqs if s.status == _RUNNING)
 
-    def _decode(self, seq: Sequence, group: SequenceGroup) -> None:
-        """Schedule `seq`'s next token: a slot for it (copying a shared last block if need be)."""
+    def _decode(self, seq: Sequence, group: SequenceGroup, n: int) -> None:
+        """Schedule `seq`'s next token (`n`: its uncomputed tokens): a slot for it (copying a
+        shared last block if need be). `_add`, inlined: this runs for every decode."""
         cow = self.block_manager.append_slot(seq)
         if cow is not None:
             self.out.blocks_to_copy.append(cow)
-        self._add(ScheduledSeq(seq, group, seq.num_uncomputed_tokens, False), cow)
+        s = ScheduledSeq(seq, group, n, False)
+        self.decodes.append(s)
+        self.tokens -= n
+        self.scheduled[seq.seq_id] = (s, cow)
 
     def _add(self, s: ScheduledSeq, cow: tuple[int, int] | None = None) -> None:
         (self.prefills if s.is_prefill else self.decodes).append(s)
