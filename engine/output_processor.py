@@ -176,19 +176,10 @@ class OutputProcessor:
     @staticmethod
     def request_output(group: SequenceGroup, outs: list[CompletionOutput],
                        kind: OutputKind = OutputKind.CUMULATIVE) -> RequestOutput:
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=outs,
-            finished=group.is_finished,
-            prompt_logprobs=group.prompt_logprobs,
-            num_cached_tokens=group.num_cached_tokens,
-            metrics=group.metrics,
-            error=group.error,
-            invalid_request=group.invalid_request,
-            delta=kind is OutputKind.DELTA,
-        )
+        # NOTE: positional (RequestOutput's field order): built for every request at every step
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.is_finished,
+                             group.prompt_logprobs, group.num_cached_tokens, group.metrics, group.error,
+                             group.invalid_request, kind is OutputKind.DELTA)
 
     @staticmethod
     def held(seq: Sequence) -> int:
