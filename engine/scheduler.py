@@ -175,14 +175,7 @@ class Scheduler:
         # (1) The oldest request first (all its sequences), then every decode, then chunks.
         for group in self.running:
             step.schedule_group(group, decode=True, prefill=group is oldest)
-        scheduled = step.scheduled
-        for group in self.running:
-            seqs = group.seqs
-            # NOTE: the single-sequence test of has_unscheduled, inlined: a pass over every request
-            if len(seqs) == 1 and (seqs[0].status != _RUNNING or seqs[0].seq_id in scheduled):
-                continue
-            if group is not oldest and step.has_unscheduled(group):
-                step.schedule_group(group, decode=False, prefill=True)
+        step.schedule_chunks(self.running, oldest)
 
         # (2) Leads that are out come in, oldest first.
         if not lead_preempted:

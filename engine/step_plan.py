@@ -114,6 +114,18 @@ class StepPlan:
                 if 0 < n <= self.tokens and self._caught_up(seq):
                     self._add(ScheduledSeq(seq, group, n, True, samples=n == seq.num_uncomputed_tokens))
 
+    def schedule_chunks(self, running: list[SequenceGroup], oldest: SequenceGroup | None) -> None:
+        """After the decodes: the prefill chunks of `running` requests (but `oldest`, scheduled
+        first) that still have a running sequence with nothing scheduled, in order."""
+        scheduled = self.scheduled
+        for group in running:
+            seqs = group.seqs
+            # NOTE: the single-sequence test of has_unscheduled, inlined: a pass over every request
+            if len(seqs) == 1 and (seqs[0].status != _RUNNING or seqs[0].seq_id in scheduled):
+                continue
+            if group is not oldest and self.has_unscheduled(group):
+                self.schedule_group(group, decode=False, prefill=True)
+
     def has_unscheduled(self, group: SequenceGroup) -> bool:
         """Whether a running sequence of the group has nothing scheduled this step."""
         seqs, scheduled = group.seqs, self.scheduled
