@@ -244,19 +244,13 @@ class LLMEngine:
         progress, append = self.stats.progress, self._append
         for group, seqs in work:
             n = len(seqs)
+            chunk = samples[k : k + n]
             k += n
             try:
-                if n == 1:
-                    sample = samples[k - 1]
-                    if sample is None:
-                        raise RuntimeError("sampling failed for this request")
-                    append(seqs[0], group, sample)
-                else:
-                    chunk = samples[k - n : k]
-                    if None in chunk:
-                        raise RuntimeError("sampling failed for this request")
-                    for seq, sample in zip(seqs, chunk):
-                        append(seq, group, sample)
+                if None in chunk:
+                    raise RuntimeError("sampling failed for this request")
+                for seq, sample in zip(seqs, chunk):
+                    append(seq, group, sample)
                 progress(group, n, now)
             except Exception as e:  # one request's failure must not take the others down
                 self._fail(group, e)

@@ -131,13 +131,7 @@ class OutputProcessor:
             return self.request_output(group, [self._choice(s, i, kind, want, True) for i, s in enumerate(best)],
                                        kind)
         want, scored = p.logprobs is not None, needs_scores(p)
-        seqs = group.seqs
-        if len(seqs) == 1:  # NOTE: the common case, for every request at every step
-            choice = self._choice(seqs[0], seqs[0].index, kind, want, scored)
-            if choice is None:  # DELTA only: nothing new
-                return None if not group.is_finished else self.request_output(group, [], kind)
-            return self.request_output(group, [choice], kind)
-        choices = [self._choice(s, s.index, kind, want, scored) for s in seqs]
+        choices = [self._choice(s, s.index, kind, want, scored) for s in group.seqs]
         if kind is OutputKind.DELTA:
             choices = [c for c in choices if c is not None]
             if not choices and not group.is_finished:
@@ -151,9 +145,7 @@ class OutputProcessor:
         cumulative logprob is known (else reported as None, as vLLM does)."""
         logprobs = seq.output_logprobs if want_logprobs else None
         status = seq.status
-        end = len(seq.output_text)
-        if seq.stop_state is not None and not status.is_finished:
-            end -= StopStrings.held(seq.stop_state)  # see `held`
+        end = len(seq.output_text) - self.held(seq)
         cumulative = seq.cumulative_logprob if scored else None
         if kind is not OutputKind.DELTA:
             return CompletionOutput(index, seq.output_text[:end], list(seq.output_token_ids), cumulative,

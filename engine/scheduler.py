@@ -179,16 +179,14 @@ class Scheduler:
 
         # (2) Leads that are out come in, oldest first.
         if not lead_preempted:
-            parked_leads = [g for g in self.running
-                            if (g.seqs[0].status != _RUNNING if len(g.seqs) == 1 else not self._lead_running(g))]
+            parked_leads = [g for g in self.running if not self._lead_running(g)]
             for group in sorted(chain(self.swapped, self.waiting, parked_leads), key=lambda g: g.priority):
                 if not self._bring_in(group, step, preempt=False):
                     break
 
         # (3) Parked extras come back into spare room.
         if not step.out.preempted:
-            for group in [g for g in self.running
-                          if (g.seqs[0].status == _WAITING if len(g.seqs) == 1 else has_waiting(g))]:
+            for group in [g for g in self.running if has_waiting(g)]:
                 if not self._admit(group, group.seqs_with_status(_WAITING), step, spare=True):
                     break
         out = step.out

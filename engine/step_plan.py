@@ -88,7 +88,7 @@ class StepPlan:
             if seq.status == _RUNNING and seq.seq_id not in self.scheduled and self.tokens >= 1:
                 n = len(seq) - seq.num_computed_tokens  # uncomputed
                 if n <= 1 and seq.output_token_ids:  # decoding
-                    if decode and (seq.waits_for is None or self._caught_up(seq)):
+                    if decode and self._caught_up(seq):
                         self._decode(seq, group, n)
                     return
                 only = (seq,)
@@ -117,12 +117,7 @@ class StepPlan:
     def schedule_chunks(self, running: list[SequenceGroup], oldest: SequenceGroup | None) -> None:
         """After the decodes: the prefill chunks of `running` requests (but `oldest`, scheduled
         first) that still have a running sequence with nothing scheduled, in order."""
-        scheduled = self.scheduled
         for group in running:
-            seqs = group.seqs
-            # NOTE: the single-sequence test of has_unscheduled, inlined: a pass over every request
-            if len(seqs) == 1 and (seqs[0].status != _RUNNING or seqs[0].seq_id in scheduled):
-                continue
             if group is not oldest and self.has_unscheduled(group):
                 self.schedule_group(group, decode=False, prefill=True)
 
@@ -135,14 +130,11 @@ class StepPlan:
 
     def _decode(self, seq: Sequence, group: SequenceGroup, n: int) -> None:
         """Schedule `seq`'s next token (`n`: its uncomputed tokens): a slot for it (copying a
-        shared last block if need be). `_add`, inlined: this runs for every decode."""
+        shared last block if need be)."""
         cow = self.block_manager.append_slot(seq)
         if cow is not None:
             self.out.blocks_to_copy.append(cow)
-        s = ScheduledSeq(seq, group, n, False)
-        self.decodes.append(s)
-        self.tokens -= n
-        self.scheduled[seq.seq_id] = (s, cow)
+        self._add(ScheduledSeq(seq, group, n, False), cow)
 
     def _add(self, s: ScheduledSeq, cow: tuple[int, int] | None = None) -> None:
         (self.prefills if s.is_prefill else self.decodes).append(s)
