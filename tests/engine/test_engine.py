@@ -113,10 +113,12 @@ PREEMPTION_CASES = [pytest.param("swap", 1, marks=pytest.mark.slow), ("recompute
 
 @pytest.mark.parametrize("mode,n", PREEMPTION_CASES)
 def test_preemption_changes_no_output(make_llm, mode, n):
-    """16 short prompts (1-2 blocks of 4 tokens) are all admitted into a pool of 17 blocks and
-    then grow to 8-9 blocks each, which forces >= 20 preemptions; greedy outputs (n > 1
-    included: its greedy samples are identical) equal a run with ample memory."""
-    tiny = make_llm(block_size=4, max_model_len=64, num_gpu_blocks_override=17, preemption_mode=mode,
+    """16 short prompts (1-2 blocks of 4 tokens) share a pool of 32 blocks and grow to 8-9
+    blocks each, which forces >= 20 preemptions; greedy outputs (n > 1 included: its greedy
+    samples are identical) equal a run with ample memory."""
+    # NOTE: 32 blocks rather than the 17 that fit one max_model_len sequence: twice the rows per
+    # step halve the test's time and still preempt 24 (recompute, n=1) to 61 (swap, n=2) times.
+    tiny = make_llm(block_size=4, max_model_len=64, num_gpu_blocks_override=32, preemption_mode=mode,
                     swap_space=0.01)
     ample = make_llm(block_size=4, max_model_len=64)
     prompts = [prompt_of_length(tiny.tokenizer, 4 + k % 5, 13 * k) for k in range(16)]
