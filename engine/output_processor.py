@@ -18,6 +18,8 @@ from engine.stop_strings import StopStrings
 from engine.structured_output import MAX_STEP_MASK_S, ConstraintTooComplex, ConstraintUnsatisfiable
 from engine.tokenizer import IncrementalDetokenizer, decode_token
 
+_SWAPPED = SequenceStatus.SWAPPED  # every status past it is finished
+
 
 class OutputProcessor:
     """Settings only (tokenizer, EOS, context length); all state lives on the sequences."""
@@ -118,9 +120,16 @@ class OutputProcessor:
         report (FINAL_ONLY before the end, a DELTA with nothing new). best_of > n and beam
         search return no choices until they are finished (the best are not known before)."""
         kind = group.output_kind
+        p = group.params
+        if kind is OutputKind.DELTA and group.single_sample:
+            # NOTE: the common streaming request, at every step: its one choice's delta.
+            want = p.logprobs is not None  # (scored: best_of == n == 1, see needs_scores)
+            choice = self._choice(group.seqs[0], 0, kind, want, want)
+            if choice is None:
+                return None if not group.is_finished else self.request_output(group, [], kind)
+            return self.request_output(group, [choice], kind)
         if kind is OutputKind.FINAL_ONLY and not group.is_finished:
             return None
-        p = group.params
         if p.use_beam_search:
             return self.request_output(group, beam_search_outputs(self.tokenizer, group), kind)
         if p.best_of > p.n:
@@ -145,7 +154,9 @@ class OutputProcessor:
         cumulative logprob is known (else reported as None, as vLLM does)."""
         logprobs = seq.output_logprobs if want_logprobs else None
         status = seq.status
-        end = len(seq.output_text) - self.held(seq)
+        finished = status > _SWAPPED
+        # NOTE: without stop strings nothing is held (no call: this runs at every step)
+        end = len(seq.output_text) - (self.held(seq) if seq.stop_state is not None else 0)
         cumulative = seq.cumulative_logprob if scored else None
         if kind is not OutputKind.DELTA:
             return CompletionOutput(index, seq.output_text[:end], list(seq.output_token_ids), cumulative,
@@ -154,7 +165,6 @@ class OutputProcessor:
         if seq.delta_sent_finished:
             return None
         sent_chars, sent_tokens = seq.delta_sent
-        finished = status.is_finished
         tokens = seq.output_token_ids
         n = len(tokens)
         if end <= sent_chars and n == sent_tokens and not finished:
