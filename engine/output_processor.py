@@ -15,7 +15,11 @@ from engine.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
 from engine.sampler import SampleResult, needs_scores
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.stop_strings import StopStrings
-from engine.structured_output import MAX_STEP_MASK_S, ConstraintTooComplex, ConstraintUnsatisfiable
+from engine.structured_output import (
+    MAX_STEP_MASK_S,
+    ConstraintTooComplex,
+    ConstraintUnsatisfiable,
+)
 from engine.tokenizer import IncrementalDetokenizer, decode_token
 
 _SWAPPED = SequenceStatus.SWAPPED  # every status past it is finished

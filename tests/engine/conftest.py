@@ -8,8 +8,6 @@ import gc
 import pytest
 import torch
 
-
-
 _MAX_CACHED_ENGINES = 3
 _engines: dict[tuple, object] = {}
 
@@ -28,6 +26,24 @@ def tokenizer(model_dir):
     from engine.tokenizer import load_tokenizer
 
     return load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_cases(tokenizer):
+    """The prompts of tests/engine/prompts.py's CASES, with their new-token counts."""
+    from tests.engine.prompts import CASES, prompt_of_length
+
+    return [(prompt_of_length(tokenizer, n, off), new) for n, new, off in CASES]
+
+
+@pytest.fixture(scope="session")
+def hf_reference(hf_model, hf_cases):
+    """Per case of CASES: HF greedy tokens and, per position, its top-2 (logprob, token id).
+    Computed once per session: a test that needs fewer new tokens of one of these prompts takes
+    a prefix (greedy decoding's first k tokens do not depend on how many follow)."""
+    from tests.engine.hf_reference import hf_greedy
+
+    return [hf_greedy(hf_model, ids, new) for ids, new in hf_cases]
 
 
 def get_llm(**kwargs):

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
+from tests.engine.hf_reference import hf_greedy
+from tests.engine.prompts import CASES as ALL_CASES
 from tests.engine.prompts import prompt_of_length
 from tests.engine.test_hf_equality import assert_matches
 from tests.engine.test_prompt_logprobs import assert_matches_hf
@@ -19,7 +21,7 @@ from tests.engine.test_prompt_logprobs import assert_matches_hf
 BUDGET = 64
 CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": BUDGET}
 
-# (prompt tokens, new tokens, word offset)
+# (prompt tokens, new tokens, word offset): prompts of prompts.CASES, with fewer new tokens
 CASES = [(5, 24, 0), (333, 16, 30), (600, 12, 260), (470, 12, 120), (64, 16, 90)]
 
 
@@ -27,28 +29,26 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
-def hf_greedy(hf_model, ids: list[int], new: int):
-    """HF greedy tokens and, per position, its top-2 (logprob, token id)."""
-    with torch.inference_mode():
-        x = torch.tensor([ids])
-        res = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
-                                output_logits=True, return_dict_in_generate=True,
-                                pad_token_id=hf_model.config.eos_token_id)
-    top2 = []
-    for step_logits in res.logits:
-        v, i = torch.log_softmax(step_logits[0].float(), -1).topk(2)
-        top2.append(((v[0].item(), i[0].item()), (v[1].item(), i[1].item())))
-    return res.sequences[0, len(ids):].tolist(), top2
+def _case(n: int, off: int) -> int:
+    """The index in prompts.CASES of the prompt of `n` tokens at word offset `off`."""
+    return next(k for k, (m, _, o) in enumerate(ALL_CASES) if (m, o) == (n, off))
 
 
 @pytest.fixture(scope="module")
-def cases(tokenizer):
-    return [(prompt_of_length(tokenizer, n, off), new) for n, new, off in CASES]
+def cases(hf_cases):
+    return [(hf_cases[_case(n, off)][0], new) for n, new, off in CASES]
 
 
 @pytest.fixture(scope="module")
-def reference(hf_model, cases):
-    return [hf_greedy(hf_model, ids, new) for ids, new in cases]
+def reference(hf_reference):
+    """The session's HF reference of these prompts (engine/conftest.py), cut to `new` tokens."""
+    out = []
+    for n, new, off in CASES:
+        k = _case(n, off)
+        assert new <= ALL_CASES[k][1], "the session's reference is shorter than this case"
+        tokens, top2 = hf_reference[k]
+        out.append((tokens[:new], top2[:new]))
+    return out
 
 
 def step_all(engine, pending: dict[int, list[tuple[str, list[int], SamplingParams]]], check=None):

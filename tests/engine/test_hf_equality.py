@@ -12,7 +12,6 @@ import torch
 
 from engine.models import linear_kernel
 from engine.sampling_params import SamplingParams
-from tests.engine.prompts import CASES, prompt_of_length
 
 NEAR_TIE = 1e-4
 # NOTE: CI runs each block size once (alone: 16; batched: 1 and 32) and each linear kernel once
@@ -20,36 +19,6 @@ NEAR_TIE = 1e-4
 SLOW = pytest.mark.slow
 ALONE = [pytest.param(1, marks=SLOW), 16, pytest.param(32, marks=SLOW)]
 BATCHED = [(1, "torch"), pytest.param(16, "auto", marks=SLOW), (32, "onednn")]
-
-
-@pytest.fixture(scope="session")
-def cases(tokenizer):
-    return [(prompt_of_length(tokenizer, n, off), new) for n, new, off in CASES]
-
-
-@pytest.fixture(scope="session")
-def reference(hf_model, cases):
-    """Per case: HF greedy tokens and, per position, its top-2 (logprob, token id)."""
-    out = []
-    with torch.inference_mode():
-        for ids, new in cases:
-            x = torch.tensor([ids])
-            res = hf_model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=new,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=hf_model.config.eos_token_id,
-            )
-            tokens = res.sequences[0, len(ids) :].tolist()
-            top2 = []
-            for step_logits in res.logits:
-                v, i = torch.log_softmax(step_logits[0].float(), -1).topk(2)
-                top2.append(((v[0].item(), i[0].item()), (v[1].item(), i[1].item())))
-            out.append((tokens, top2))
-    return out
 
 
 def assert_matches(ours: list[int], ref_tokens: list[int], ref_top2, label: str) -> None:
@@ -70,20 +39,20 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 @pytest.mark.parametrize("block_size", ALONE)
-def test_each_prompt_alone(make_llm, cases, reference, block_size):
+def test_each_prompt_alone(make_llm, hf_cases, hf_reference, block_size):
     llm = make_llm(block_size=block_size)
-    for k, ((ids, new), (ref, top2)) in enumerate(zip(cases, reference)):
+    for k, ((ids, new), (ref, top2)) in enumerate(zip(hf_cases, hf_reference)):
         out = llm.generate([ids], greedy(new))[0]
         assert_matches(out.outputs[0].token_ids, ref, top2, f"prompt {k} ({len(ids)} tokens) alone")
 
 
 @pytest.mark.parametrize(("block_size", "kernel"), BATCHED)
-def test_batched_staggered_arrival(make_llm, cases, reference, block_size, kernel):
+def test_batched_staggered_arrival(make_llm, hf_cases, hf_reference, block_size, kernel):
     """Prompts join a running batch two at a time, every third step."""
     if kernel == "onednn" and not linear_kernel.onednn_supported(torch.device("cpu"), torch.float32):
         pytest.skip("this torch build has no oneDNN")
     engine = make_llm(block_size=block_size, linear_kernel=kernel).engine
-    pending = list(enumerate(cases))
+    pending = list(enumerate(hf_cases))
     done = {}
     steps = 0
     while pending or engine.has_unfinished_requests():
@@ -96,7 +65,7 @@ def test_batched_staggered_arrival(make_llm, cases, reference, block_size, kerne
                 done[out.request_id] = out
         steps += 1
         engine.block_manager.check_integrity()
-    for k, ((ids, _), (ref, top2)) in enumerate(zip(cases, reference)):
+    for k, ((ids, _), (ref, top2)) in enumerate(zip(hf_cases, hf_reference)):
         ours = done[f"case-{k}"].outputs[0].token_ids
         assert_matches(ours, ref, top2, f"prompt {k} ({len(ids)} tokens) batched, block {block_size}, {kernel}")
 
