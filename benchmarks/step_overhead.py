@@ -4,8 +4,9 @@ forward pass, on the tiny dummy model (configs/models/tiny-4kv.json), at several
 Each case fills the engine with `batch` requests (greedy, or sampling with temperature 0.8 and
 top_p 0.95) whose prompts leave them decoding at ~`context` tokens, then times `--steps` decode
 steps: the whole step and the executor's `execute()` inside it. Prints medians, the overhead
-per sequence, and the overhead's p10 (the host work with the least interference). Quote it as a ratio against a run of the same script on the same
-machine (another commit, or before a change), never as an absolute figure.
+per sequence, and the overhead's p10 (the host work with the least interference). Quote it as
+a ratio against a run of the same script on the same machine (another commit, or before a
+change), never as an absolute figure.
 
     OMP_NUM_THREADS=1 python -m benchmarks.step_overhead --batch 1 64 256 --context 512 2048
 """

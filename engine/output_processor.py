@@ -22,8 +22,6 @@ from engine.structured_output import (
 )
 from engine.tokenizer import IncrementalDetokenizer, decode_token
 
-_SWAPPED = SequenceStatus.SWAPPED  # every status past it is finished
-
 
 class OutputProcessor:
     """Settings only (tokenizer, EOS, context length); all state lives on the sequences."""
@@ -125,10 +123,9 @@ class OutputProcessor:
         search return no choices until they are finished (the best are not known before)."""
         kind = group.output_kind
         p = group.params
-        if kind is OutputKind.DELTA and group.single_sample:
+        if kind is OutputKind.DELTA and p.best_of == 1 and not p.use_beam_search:
             # NOTE: the common streaming request, at every step: its one choice's delta.
-            want = p.logprobs is not None  # (scored: best_of == n == 1, see needs_scores)
-            choice = self._choice(group.seqs[0], 0, kind, want, want)
+            choice = self._choice(group.seqs[0], 0, kind, p.logprobs is not None, needs_scores(p))
             if choice is None:
                 return None if not group.is_finished else self.request_output(group, [], kind)
             return self.request_output(group, [choice], kind)
@@ -158,7 +155,6 @@ class OutputProcessor:
         cumulative logprob is known (else reported as None, as vLLM does)."""
         logprobs = seq.output_logprobs if want_logprobs else None
         status = seq.status
-        finished = status > _SWAPPED
         # NOTE: without stop strings nothing is held (no call: this runs at every step)
         end = len(seq.output_text) - (self.held(seq) if seq.stop_state is not None else 0)
         cumulative = seq.cumulative_logprob if scored else None
@@ -169,6 +165,7 @@ class OutputProcessor:
         if seq.delta_sent_finished:
             return None
         sent_chars, sent_tokens = seq.delta_sent
+        finished = status.is_finished
         tokens = seq.output_token_ids
         n = len(tokens)
         if end <= sent_chars and n == sent_tokens and not finished:
