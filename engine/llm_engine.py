@@ -187,11 +187,11 @@ class LLMEngine:
         outputs = []
         for group in touched.values():
             output = self.output_processor.output(group)
-            if output is not None:
+            if output is not None:  # NOTE: never None for a finished request
                 outputs.append(output)
-            if group.is_finished:
-                self.requests.pop(group.request_id, None)
-                self.stats.finish(group, now)
+                if output.finished:
+                    self.requests.pop(group.request_id, None)
+                    self.stats.finish(group, now)
         self.last_stats = self.stats.snapshot(sched)
         return outputs
 
@@ -201,7 +201,9 @@ class LLMEngine:
         output processor); new samples and beams go to `forks`, dropped beams to `dropped`,
         for the scheduler's books. A request with best_of > 1 forks after its prompt step: its
         samples share the prompt's blocks and each draws its first token from its own generator."""
-        work: list[tuple[SequenceGroup, list[Sequence]]] = []
+        # (request, sequence, the samples forked from it this step or None): one entry per
+        # sampling sequence, its rows in order (the sequence's, then its new samples')
+        work: list[tuple[SequenceGroup, Sequence, list[Sequence] | None]] = []
         beams: dict[str, tuple[SequenceGroup, list[tuple[Sequence, int]]]] = {}
         # NOTE: one pass over the step builds the rows, their logits rows and the grammar masks:
         # this runs for every sequence at every step.
@@ -218,12 +220,12 @@ class LLMEngine:
             if group.params.use_beam_search:
                 beams.setdefault(group.request_id, (group, []))[1].append((s.seq, i))
                 continue
-            seqs = [s.seq]
+            children = None
             if not group.forked:
-                seqs += self._fork(s.seq, group, group.params.best_of - 1, forks)
+                children = self._fork(s.seq, group, group.params.best_of - 1, forks)
                 group.forked = True
-            work.append((group, seqs))
-            for seq in seqs:
+            work.append((group, s.seq, children))
+            for seq in (s.seq,) if children is None else (s.seq, *children):
                 row = seq.sampling_row  # NOTE: once set, valid for good (see _row)
                 rows.append(row if row is not None else self._row(seq, group))
                 if seq.grammar is not None:
@@ -242,16 +244,24 @@ class LLMEngine:
         samples = self._sample(logits, rows)
         k = 0
         progress, append = self.stats.progress, self._append
-        for group, seqs in work:
-            n = len(seqs)
-            chunk = samples[k : k + n]
-            k += n
+        for group, seq, children in work:
             try:
+                if children is None:  # NOTE: the common case: one sample
+                    sample = samples[k]
+                    k += 1
+                    if sample is None:
+                        raise RuntimeError("sampling failed for this request")
+                    append(seq, group, sample)
+                    progress(group, 1, now)
+                    continue
+                seqs = [seq, *children]
+                chunk = samples[k : k + len(seqs)]
+                k += len(seqs)
                 if None in chunk:
                     raise RuntimeError("sampling failed for this request")
                 for seq, sample in zip(seqs, chunk):
                     append(seq, group, sample)
-                progress(group, n, now)
+                progress(group, len(seqs), now)
             except Exception as e:  # one request's failure must not take the others down
                 self._fail(group, e)
 

@@ -22,6 +22,8 @@ from engine.structured_output import (
 )
 from engine.tokenizer import IncrementalDetokenizer, decode_token
 
+_SWAPPED = SequenceStatus.SWAPPED  # statuses past it are finished (a module constant: cheaper than the class attribute)
+
 
 class OutputProcessor:
     """Settings only (tokenizer, EOS, context length); all state lives on the sequences."""
@@ -119,8 +121,9 @@ class OutputProcessor:
     # ---------------------------------------------------------------- outputs
     def output(self, group: SequenceGroup) -> RequestOutput | None:
         """The request's output this step in its `OutputKind`; None when there is nothing to
-        report (FINAL_ONLY before the end, a DELTA with nothing new). best_of > n and beam
-        search return no choices until they are finished (the best are not known before)."""
+        report (FINAL_ONLY before the end, a DELTA with nothing new); never None for a
+        finished request. best_of > n and beam search return no choices until they are
+        finished (the best are not known before)."""
         kind = group.output_kind
         p = group.params
         if kind is OutputKind.DELTA and p.best_of == 1 and not p.use_beam_search:
@@ -165,7 +168,7 @@ class OutputProcessor:
         if seq.delta_sent_finished:
             return None
         sent_chars, sent_tokens = seq.delta_sent
-        finished = status.is_finished
+        finished = status > _SWAPPED  # NOTE: status.is_finished, without the property's call
         tokens = seq.output_token_ids
         n = len(tokens)
         if end <= sent_chars and n == sent_tokens and not finished:
@@ -174,7 +177,7 @@ class OutputProcessor:
         seq.delta_sent_finished = finished
         return CompletionOutput(index, seq.output_text[sent_chars:end], tokens[sent_tokens:],
                                 cumulative, logprobs[sent_tokens:] if logprobs is not None else None,
-                                status.finish_reason, seq.stop_reason)
+                                status.finish_reason if finished else None, seq.stop_reason)
 
     @staticmethod
     def request_output(group: SequenceGroup, outs: list[CompletionOutput],

@@ -53,11 +53,14 @@ class SamplingRow:
     # sampler sorts every row at every step: greedy or random, and scored (`needs_scores`).
     greedy: bool = field(init=False)
     scored: bool = field(init=False)
+    may_edit: bool = field(init=False)  # some logits processor may change the row (`_edits`)
 
     def __post_init__(self) -> None:
         p = self.params
         self.greedy = p.is_greedy
         self.scored = needs_scores(p)
+        self.may_edit = bool(p.logit_bias or self.masked_token_ids or p.repetition_penalty != 1.0
+                             or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
 
 
 @dataclass(slots=True)
@@ -121,7 +124,8 @@ class Sampler:
     @staticmethod
     def _adjusted(logits: torch.Tensor, rows: list[SamplingRow], copy: bool) -> torch.Tensor:
         # Without anything to apply, hand back the caller's tensor itself (read-only from here).
-        if not copy and not any(_edits(r) for r in rows) and logits.dtype == torch.float32:
+        # NOTE: `may_edit` first: most rows have no processor, and this runs for every row at every step.
+        if not copy and not any(r.may_edit and _edits(r) for r in rows) and logits.dtype == torch.float32:
             return logits
         out = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
         vocab = out.shape[1]

@@ -96,8 +96,7 @@ class Scheduler:
             for group in queue:
                 if group.request_id == request_id:
                     queue.remove(group)
-                    for seq in group.unfinished_seqs:
-                        seq.status = SequenceStatus.FINISHED_ABORTED
+                    group.set_status(SequenceStatus.FINISHED_ABORTED)
                     self._free(group)
                     return group
         return None
@@ -130,10 +129,13 @@ class Scheduler:
         (`update_from_output` does it after each step). Returns the finished."""
         done, kept, free = [], [], self.block_manager.free
         for group in self.running:
+            unfinished = False  # NOTE: group.is_finished, found in the same pass (every request, every step)
             for seq in group.seqs:
                 if seq.status > _SWAPPED:  # finished
                     free(seq)
-            (done if group.is_finished else kept).append(group)
+                else:
+                    unfinished = True
+            (kept if unfinished else done).append(group)
         if done:
             self.running[:] = kept
         return done
@@ -170,30 +172,35 @@ class Scheduler:
         oldest = self.oldest()
         if oldest is not None and not self._lead_running(oldest) and not self._bring_in(oldest, step, preempt=True):
             logger.error("the oldest request %s cannot be brought in (not expected)", oldest.request_id)
-        lead_preempted = self._fit_running(step, oldest)
+        lead_preempted, num_running = self._fit_running(step, oldest)
 
-        # (1) The oldest request first (all its sequences), then every decode, then chunks.
+        # (1) The oldest request first (all its sequences), then every decode, then chunks
+        # (NOTE: none when every running sequence already has its slot, the common decode step).
         for group in self.running:
             step.schedule_group(group, decode=True, prefill=group is oldest)
-        step.schedule_chunks(self.running, oldest)
+        if len(step.scheduled) < num_running and step.tokens >= 1:
+            step.schedule_chunks(self.running, oldest)
 
-        # (2) Leads that are out come in, oldest first.
+        # (2) Leads that are out come in, oldest first. `parked`: the running requests with a
+        # waiting sequence (a parked lead or extra), looked up again if (2) brings any in.
+        parked = []  # NOTE: a whole request preempted means (3) does not run either
         if not lead_preempted:
-            parked_leads = [g for g in self.running if not self._lead_running(g)]
-            for group in sorted(chain(self.swapped, self.waiting, parked_leads), key=lambda g: g.priority):
+            parked = [g for g in self.running if has_waiting(g)]
+            parked_leads = [g for g in parked if not self._lead_running(g)]
+            queue = sorted(chain(self.swapped, self.waiting, parked_leads), key=lambda g: g.priority)
+            for group in queue:
                 if not self._bring_in(group, step, preempt=False):
                     break
+            if queue:
+                parked = [g for g in self.running if has_waiting(g)]
 
         # (3) Parked extras come back into spare room.
         if not step.out.preempted:
-            for group in [g for g in self.running if has_waiting(g)]:
+            for group in parked:
                 if not self._admit(group, group.seqs_with_status(_WAITING), step, spare=True):
                     break
         out = step.out
         out.scheduled = step.prefills + step.decodes
-        tables = self.block_manager.tables  # NOTE: the live lists (block_table()), looked up once
-        for s in out.scheduled:
-            s.block_table = tables[s.seq.seq_id]
         if out.blocks_to_copy:
             for s, cow in step.scheduled.values():
                 if cow is not None:
@@ -203,10 +210,10 @@ class Scheduler:
         return out
 
     # ---------------------------------------------------------------- making room
-    def _fit_running(self, step: StepPlan, oldest: SequenceGroup | None) -> bool:
+    def _fit_running(self, step: StepPlan, oldest: SequenceGroup | None) -> tuple[bool, int]:
         """Park extras, then preempt the newest requests, until every running sequence can get a
         slot for its next token and at most max_num_seqs run. Returns whether a request was
-        preempted whole."""
+        preempted whole, and how many sequences run."""
         bm = self.block_manager
         preempted = False
         while True:
@@ -216,13 +223,13 @@ class Scheduler:
             if len(seqs) <= self.config.max_num_seqs and (
                     len(seqs) <= bm.num_free_device_blocks
                     or bm.num_append_blocks(seqs) <= bm.num_free_device_blocks):
-                return preempted
+                return preempted, len(seqs)
             if self._park_lowest_extra(step):
                 continue
             victim = self._pick_victim([g for g in self.running if g is not oldest])
             if victim is None:
                 logger.error("the oldest request %s does not fit on its own (not expected)", oldest.request_id)
-                return preempted
+                return preempted, len(seqs)
             self.running.remove(victim)
             self._preempt(victim, step.out)
             preempted = True
@@ -231,11 +238,8 @@ class Scheduler:
         """The latest arrival among `candidates`, skipping requests already preempted
         `max_preemptions_per_request` times if possible."""
         pool = sorted(candidates, key=lambda g: g.priority)
-        limit = self.config.max_preemptions_per_request
-        for g in reversed(pool):
-            if g.num_preemptions < limit:
-                return g
-        return pool[-1] if pool else None
+        fresh = [g for g in pool if g.num_preemptions < self.config.max_preemptions_per_request]
+        return (fresh or pool)[-1] if pool else None
 
     def _park_lowest_extra(self, step: StepPlan) -> bool:
         """Park the running extra with the lowest priority (the newest request's highest-index

@@ -13,7 +13,9 @@ class ScheduledSeq:
     group: SequenceGroup  # its request
     num_tokens: int  # tokens computed for it this step (its uncomputed tail or a chunk of it; 1 when decoding)
     is_prefill: bool  # True when this step computes more than the last token
-    block_table: list[int] = field(default_factory=list)  # physical block ids, filled at the end of schedule()
+    # Physical block ids: the block manager's live list (not a copy), valid until the block
+    # manager changes again (the step has run).
+    block_table: list[int] = field(default_factory=list)
     # False for a prefill chunk that stops short of the sequence's last token: its logits row is
     # ignored and no token is appended (chunked prefill); True otherwise.
     samples: bool = True

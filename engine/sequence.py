@@ -27,7 +27,9 @@ class SequenceStatus(enum.IntEnum):
 
     @property
     def is_finished(self) -> bool:
-        return self > SequenceStatus.SWAPPED
+        # NOTE: the module's constant, not SequenceStatus.SWAPPED: an enum member looked up on
+        # its class costs ~150 ns in Python 3.11, and this runs for every sequence at every step.
+        return self > _SWAPPED
 
     @property
     def finish_reason(self) -> str | None:

@@ -112,7 +112,8 @@ class StepPlan:
                 if beams:
                     n = min(n, seq.num_uncomputed_tokens - 1)
                 if 0 < n <= self.tokens and self._caught_up(seq):
-                    self._add(ScheduledSeq(seq, group, n, True, samples=n == seq.num_uncomputed_tokens))
+                    self._add(ScheduledSeq(seq, group, n, True, self.block_manager.tables[seq.seq_id],
+                                           samples=n == seq.num_uncomputed_tokens))
 
     def schedule_chunks(self, running: list[SequenceGroup], oldest: SequenceGroup | None) -> None:
         """After the decodes: the prefill chunks of `running` requests (but `oldest`, scheduled
@@ -131,10 +132,11 @@ class StepPlan:
     def _decode(self, seq: Sequence, group: SequenceGroup, n: int) -> None:
         """Schedule `seq`'s next token (`n`: its uncomputed tokens): a slot for it (copying a
         shared last block if need be)."""
-        cow = self.block_manager.append_slot(seq)
+        bm = self.block_manager
+        cow = bm.append_slot(seq)
         if cow is not None:
             self.out.blocks_to_copy.append(cow)
-        self._add(ScheduledSeq(seq, group, n, False), cow)
+        self._add(ScheduledSeq(seq, group, n, False, bm.tables[seq.seq_id]), cow)
 
     def _add(self, s: ScheduledSeq, cow: tuple[int, int] | None = None) -> None:
         (self.prefills if s.is_prefill else self.decodes).append(s)
