@@ -22,8 +22,6 @@ from engine.structured_output import (
 )
 from engine.tokenizer import IncrementalDetokenizer, decode_token
 
-_SWAPPED = SequenceStatus.SWAPPED  # statuses past it are finished (a module constant: cheaper than the class attribute)
-
 
 class OutputProcessor:
     """Settings only (tokenizer, EOS, context length); all state lives on the sequences."""
@@ -168,7 +166,7 @@ class OutputProcessor:
         if seq.delta_sent_finished:
             return None
         sent_chars, sent_tokens = seq.delta_sent
-        finished = status > _SWAPPED  # NOTE: status.is_finished, without the property's call
+        finished = status.is_finished
         tokens = seq.output_token_ids
         n = len(tokens)
         if end <= sent_chars and n == sent_tokens and not finished:
@@ -177,7 +175,7 @@ class OutputProcessor:
         seq.delta_sent_finished = finished
         return CompletionOutput(index, seq.output_text[sent_chars:end], tokens[sent_tokens:],
                                 cumulative, logprobs[sent_tokens:] if logprobs is not None else None,
-                                status.finish_reason if finished else None, seq.stop_reason)
+                                status.finish_reason, seq.stop_reason)
 
     @staticmethod
     def request_output(group: SequenceGroup, outs: list[CompletionOutput],
