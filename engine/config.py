@@ -5,10 +5,15 @@ runtime objects, never in these configs.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field, fields
 
 import torch
+
+from engine.models import linear_kernel
+
+logger = logging.getLogger(__name__)
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
@@ -91,7 +96,7 @@ class EngineArgs:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
     served_model_name: str | None = None
     tokenizer: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA; on a CPU bf16 where native and faster, else float32
     linear_kernel: str = "auto"  # auto: the faster of torch / oneDNN here (engine/models/linear_kernel.py)
     device: str = "auto"
     load_format: str = "auto"
@@ -136,17 +141,20 @@ class EngineArgs:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
             device = torch.device(self.device)
-        if self.dtype == "auto":
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        elif self.dtype in _DTYPES:
-            dtype = _DTYPES[self.dtype]
-        else:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         if self.linear_kernel not in ("auto", "torch", "onednn"):
             raise ValueError(f"linear_kernel must be one of auto, torch, onednn; got {self.linear_kernel!r}")
 
         path, default_name = resolve_model(self.model, self.load_format)
         hf_config = load_hf_config(path)
+        if self.dtype != "auto":
+            dtype = _DTYPES[self.dtype]
+        elif device.type == "cuda":
+            dtype = torch.bfloat16
+        else:
+            dtype, why = linear_kernel.choose_cpu_dtype(hf_config)
+            logger.info("dtype auto: %s (%s)", str(dtype).removeprefix("torch."), why)
         model_max = getattr(hf_config, "max_position_embeddings", 2048)
         max_model_len = self.max_model_len or model_max
         if max_model_len > model_max:

@@ -15,6 +15,9 @@ decode-sized batch and keeps the faster, logging both rates; ``torch`` and ``one
 one. Both compute the same product in fp32 (they differ only in summation order, ~1e-6
 relative), so greedy output still matches HF token for token either way.
 
+``--dtype auto`` on a CPU is chosen here too (`choose_cpu_dtype`): bf16 where the CPU multiplies
+it natively and it is clearly faster on the model's shapes, fp32 otherwise.
+
 Packing replaces a layer's dense weight by the packed copy (memory is not doubled), except
 for an LM head tied to the embedding, whose table the embedding lookup still reads.
 """
@@ -34,6 +37,10 @@ KERNELS = ("auto", "torch", "onednn")
 # NOTE: rows per timed product: a decode step's batch on a small CPU server, where the two
 # kernels differ most; prefill-sized products differ by less (1.0-1.5x) and in the same way.
 PROBE_ROWS = 16
+# `--dtype auto` on a CPU takes bf16 only when it is clearly faster (`choose_cpu_dtype`): a near
+# tie keeps fp32's precision, and a wide margin keeps a noisy probe from choosing differently in
+# two processes of one machine (the tiny test models come out at ~1.2x where SmolLM2 is ~1.8x).
+BF16_MIN_SPEEDUP = 1.5
 _choices: dict[tuple, tuple[str, str]] = {}  # per process: probed shapes -> (kernel, why)
 
 
@@ -99,30 +106,82 @@ def _is_tied(model: nn.Module, layer: nn.Module) -> bool:
     return any(other is not layer and getattr(other, "weight", None) is layer.weight for other in model.modules())
 
 
-def _probe(shapes: list[tuple[int, int]], dtype: torch.dtype) -> tuple[str, str]:
-    """Time F.linear against oneDNN on each shape (interleaved, best of three) and pick."""
-    best = {"torch": 0.0, "onednn": 0.0}
-    flops = 0
+def choose_cpu_dtype(hf_config) -> tuple[torch.dtype, str]:
+    """(dtype, reason) for ``--dtype auto`` on a CPU: bfloat16 where this CPU multiplies it
+    natively (oneDNN packs bf16 weights only on CPUs with AVX512-BF16, AMX or AVX-NE-CONVERT) and
+    the model's linear layers run at least `BF16_MIN_SPEEDUP` times faster in it than in fp32
+    (oneDNN over packed weights at `PROBE_ROWS` rows, on this model's shapes); float32 otherwise.
+
+    NOTE: the linear layers are most of a CPU forward pass (~60-75%), and bf16 halves the bytes
+    of every weight and of the KV cache. Its outputs are not fp32's, token for token:
+    ``--dtype float32`` keeps HF fp32 equality on any CPU."""
+    cpu = torch.device("cpu")
+    if not onednn_supported(cpu, torch.bfloat16) or not onednn_supported(cpu, torch.float32):
+        return torch.float32, "this CPU has no native bf16 matmul (oneDNN does not pack bf16 here)"
+    shapes = model_shapes(hf_config)
+    key = (tuple(shapes), "dtype", torch.get_num_threads())
+    if key not in _choices:
+        fp32, bf16 = _best_times(shapes, {"fp32": (torch.float32, _onednn), "bf16": (torch.bfloat16, _onednn)},
+                                 repeats=5)
+        flops = sum(2 * PROBE_ROWS * n * k for n, k in shapes)
+        speedup = fp32 / max(bf16, 1e-9)
+        rates = f"bf16 {flops / max(bf16, 1e-9) / 1e9:.0f} GFLOP/s, fp32 {flops / max(fp32, 1e-9) / 1e9:.0f}"
+        if speedup >= BF16_MIN_SPEEDUP:
+            _choices[key] = ("bf16", f"this CPU multiplies bf16 natively, {speedup:.1f}x fp32 on this model's "
+                                     f"linear layers at {PROBE_ROWS} rows ({rates}); --dtype float32 for fp32")
+        else:
+            _choices[key] = ("fp32", f"bf16 is only {speedup:.1f}x fp32 on this model's linear layers "
+                                     f"at {PROBE_ROWS} rows ({rates})")
+    name, why = _choices[key]
+    return (torch.bfloat16 if name == "bf16" else torch.float32), why
+
+
+def model_shapes(hf_config) -> list[tuple[int, int]]:
+    """The (out, in) weight shapes of a Llama-style model's linear layers and LM head (one
+    rank's whole model: tensor-parallel shards are not split here)."""
+    hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head = getattr(hf_config, "head_dim", None) or hidden // heads
+    inter = hf_config.intermediate_size
+    return sorted({((heads + 2 * kv_heads) * head, hidden), (hidden, heads * head), (2 * inter, hidden),
+                   (hidden, inter), (hf_config.vocab_size, hidden)})
+
+
+def _torch(w: torch.Tensor, x: torch.Tensor):
+    return lambda: F.linear(x, w)
+
+
+def _onednn(w: torch.Tensor, x: torch.Tensor):
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _best_times(shapes: list[tuple[int, int]], variants: dict, repeats: int = 3) -> list[float]:
+    """Per variant (name -> (dtype, make(w, x) -> run)), the summed best time (of `repeats`) of
+    one product per shape at `PROBE_ROWS` rows, the variants interleaved."""
+    best = [0.0] * len(variants)
     # NOTE: its own generator: probing must not move the global RNG that unseeded requests use.
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for n, k in shapes:
-            w = torch.randn(n, k, generator=gen).to(dtype)
-            x = torch.randn(PROBE_ROWS, k, generator=gen).to(dtype)
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-            runs = {
-                "torch": lambda x=x, w=w: F.linear(x, w),
-                "onednn": lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
-            }
-            times = {name: [] for name in runs}
-            for _ in range(3):
-                for name, run in runs.items():
+            w, x = torch.randn(n, k, generator=gen), torch.randn(PROBE_ROWS, k, generator=gen)
+            runs = [make(w.to(dtype), x.to(dtype)) for dtype, make in variants.values()]
+            times: list[list[float]] = [[] for _ in runs]
+            for _ in range(repeats):
+                for i, run in enumerate(runs):
                     t0 = time.perf_counter()
                     run()
-                    times[name].append(time.perf_counter() - t0)
-            for name in runs:
-                best[name] += min(times[name])
-            flops += 2 * PROBE_ROWS * n * k
-    rates = ", ".join(f"{name} {flops / max(t, 1e-9) / 1e9:.0f} GFLOP/s" for name, t in best.items())
-    kernel = "onednn" if best["onednn"] < best["torch"] else "torch"
+                    times[i].append(time.perf_counter() - t0)
+            for i in range(len(runs)):
+                best[i] += min(times[i])
+    return best
+
+
+def _probe(shapes: list[tuple[int, int]], dtype: torch.dtype) -> tuple[str, str]:
+    """Time F.linear against oneDNN on each shape (interleaved, best of three) and pick."""
+    t_torch, t_onednn = _best_times(shapes, {"torch": (dtype, _torch), "onednn": (dtype, _onednn)})
+    flops = sum(2 * PROBE_ROWS * n * k for n, k in shapes)
+    rates = (f"torch {flops / max(t_torch, 1e-9) / 1e9:.0f} GFLOP/s, "
+             f"onednn {flops / max(t_onednn, 1e-9) / 1e9:.0f} GFLOP/s")
+    kernel = "onednn" if t_onednn < t_torch else "torch"
     return kernel, f"faster on this model's shapes at {PROBE_ROWS} rows ({rates})"

@@ -1,6 +1,7 @@
 """The linear layers' kernel choice (engine/models/linear_kernel.py): oneDNN over packed weights
 computes what F.linear computes, packing releases the dense copies it replaces (not a tied
-LM head's), and the settings are validated."""
+LM head's), the settings are validated, and `--dtype auto` on a CPU takes bf16 only where it is
+native and clearly faster."""
 
 from __future__ import annotations
 
@@ -105,3 +106,51 @@ def test_probing_leaves_the_global_rng_alone():
     torch.manual_seed(5)
     linear_kernel.choose(model, "auto", CPU, torch.float32)
     assert torch.equal(torch.rand(3), want)
+
+
+SMOLLM2 = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+               vocab_size=49152)
+
+
+def test_model_shapes_are_the_llama_layers_and_lm_head():
+    from types import SimpleNamespace
+
+    assert linear_kernel.model_shapes(SimpleNamespace(**SMOLLM2)) == sorted(
+        [(15 * 64, 576), (576, 576), (2 * 1536, 576), (576, 1536), (49152, 576)])
+
+
+@pytest.mark.parametrize("fp32_s, bf16_s, want", [(1.0, 0.5, torch.bfloat16), (1.0, 0.8, torch.float32), (1.0, 0.7, torch.float32)])
+def test_auto_dtype_takes_bf16_only_when_clearly_faster(monkeypatch, fp32_s, bf16_s, want):
+    from types import SimpleNamespace
+
+    # the decision rule alone: the probe's times are given, and this CPU is said to pack bf16
+    monkeypatch.setattr(linear_kernel, "onednn_supported", lambda device, dtype: True)
+    monkeypatch.setattr(linear_kernel, "_best_times", lambda shapes, variants, repeats: [fp32_s, bf16_s])
+    monkeypatch.setattr(linear_kernel, "_choices", {})
+    dtype, why = linear_kernel.choose_cpu_dtype(SimpleNamespace(**SMOLLM2))
+    assert dtype == want
+    assert "GFLOP/s" in why and f"{fp32_s / bf16_s:.1f}x" in why
+
+
+def test_auto_dtype_is_float32_without_native_bf16(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(linear_kernel, "onednn_supported", lambda device, dtype: dtype == torch.float32)
+    monkeypatch.setattr(linear_kernel, "_choices", {})
+    assert linear_kernel.choose_cpu_dtype(SimpleNamespace(**SMOLLM2))[0] == torch.float32
+
+
+def test_auto_dtype_probes_this_cpu_and_engine_args_follow_it():
+    """The real probe on this machine: bf16 only where oneDNN packs it; EngineArgs' auto is that
+    choice on a CPU, and an explicit dtype is kept."""
+    from engine.config import EngineArgs
+
+    auto = EngineArgs(model="tiny-4kv", load_format="dummy", device="cpu").create_engine_config().model.dtype
+    from engine.models.loader import load_hf_config, resolve_model
+
+    want = linear_kernel.choose_cpu_dtype(load_hf_config(resolve_model("tiny-4kv", "dummy")[0]))[0]
+    assert auto == want
+    if not linear_kernel.onednn_supported(CPU, torch.bfloat16):
+        assert auto == torch.float32
+    pinned = EngineArgs(model="tiny-4kv", load_format="dummy", device="cpu", dtype="float32").create_engine_config()
+    assert pinned.model.dtype == torch.float32
