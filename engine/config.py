@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from engine.models import linear_kernel
+from engine.models.llama import model_class
 
 logger = logging.getLogger(__name__)
 
@@ -148,17 +149,20 @@ class EngineArgs:
 
         path, default_name = resolve_model(self.model, self.load_format)
         hf_config = load_hf_config(path)
+        model_max = getattr(hf_config, "max_position_embeddings", 2048)
+        max_model_len = self.max_model_len or model_max
+        if max_model_len > model_max:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's maximum {model_max}")
         if self.dtype != "auto":
             dtype = _DTYPES[self.dtype]
         elif device.type == "cuda":
             dtype = torch.bfloat16
         else:
-            dtype, why = linear_kernel.choose_cpu_dtype(hf_config)
+            # NOTE: on the meta device: the probe needs the linear layers' shapes, not weights
+            with torch.device("meta"):
+                shapes_only = model_class(hf_config)(hf_config, max_model_len)
+            dtype, why = linear_kernel.choose_cpu_dtype(shapes_only)
             logger.info("dtype auto: %s (%s)", str(dtype).removeprefix("torch."), why)
-        model_max = getattr(hf_config, "max_position_embeddings", 2048)
-        max_model_len = self.max_model_len or model_max
-        if max_model_len > model_max:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's maximum {model_max}")
         max_batched = self.max_num_batched_tokens or max(max_model_len, 2048)
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_batched}")

@@ -83,7 +83,7 @@ def choose(model: nn.Module, setting: str, device: torch.device, dtype: torch.dt
         return "onednn", "asked for"
     if not supported:
         return "torch", f"oneDNN's packed linear is not available for {dtype} on {device.type}"
-    shapes = sorted({tuple(m.weight.shape) for m in linear_layers(model)})
+    shapes = weight_shapes(model)
     key = (tuple(shapes), dtype, torch.get_num_threads())
     if key not in _choices:
         _choices[key] = _probe(shapes, dtype)
@@ -106,11 +106,18 @@ def _is_tied(model: nn.Module, layer: nn.Module) -> bool:
     return any(other is not layer and getattr(other, "weight", None) is layer.weight for other in model.modules())
 
 
-def choose_cpu_dtype(hf_config) -> tuple[torch.dtype, str]:
+def weight_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """The distinct (out, in) shapes of the model's linear layers (a model on the meta device
+    will do: only the shapes are read)."""
+    return sorted({tuple(m.weight.shape) for m in linear_layers(model)})
+
+
+def choose_cpu_dtype(model: nn.Module) -> tuple[torch.dtype, str]:
     """(dtype, reason) for ``--dtype auto`` on a CPU: bfloat16 where this CPU multiplies it
     natively (oneDNN packs bf16 weights only on CPUs with AVX512-BF16, AMX or AVX-NE-CONVERT) and
-    the model's linear layers run at least `BF16_MIN_SPEEDUP` times faster in it than in fp32
-    (oneDNN over packed weights at `PROBE_ROWS` rows, on this model's shapes); float32 otherwise.
+    `model`'s linear layers run at least `BF16_MIN_SPEEDUP` times faster in it than in fp32
+    (oneDNN over packed weights at `PROBE_ROWS` rows, on their shapes); float32 otherwise. Only
+    the shapes are read: the model may be on the meta device (the dtype comes before weights).
 
     NOTE: the linear layers are most of a CPU forward pass (~60-75%), and bf16 halves the bytes
     of every weight and of the KV cache. Its outputs are not fp32's, token for token:
@@ -118,14 +125,13 @@ def choose_cpu_dtype(hf_config) -> tuple[torch.dtype, str]:
     cpu = torch.device("cpu")
     if not onednn_supported(cpu, torch.bfloat16) or not onednn_supported(cpu, torch.float32):
         return torch.float32, "this CPU has no native bf16 matmul (oneDNN does not pack bf16 here)"
-    shapes = model_shapes(hf_config)
+    shapes = weight_shapes(model)
     key = (tuple(shapes), "dtype", torch.get_num_threads())
     if key not in _choices:
         fp32, bf16 = _best_times(shapes, {"fp32": (torch.float32, _onednn), "bf16": (torch.bfloat16, _onednn)},
                                  repeats=5)
-        flops = sum(2 * PROBE_ROWS * n * k for n, k in shapes)
         speedup = fp32 / max(bf16, 1e-9)
-        rates = f"bf16 {flops / max(bf16, 1e-9) / 1e9:.0f} GFLOP/s, fp32 {flops / max(fp32, 1e-9) / 1e9:.0f}"
+        rates = _rates(shapes, {"bf16": bf16, "fp32": fp32})
         if speedup >= BF16_MIN_SPEEDUP:
             _choices[key] = ("bf16", f"this CPU multiplies bf16 natively, {speedup:.1f}x fp32 on this model's "
                                      f"linear layers at {PROBE_ROWS} rows ({rates}); --dtype float32 for fp32")
@@ -134,17 +140,6 @@ def choose_cpu_dtype(hf_config) -> tuple[torch.dtype, str]:
                                      f"at {PROBE_ROWS} rows ({rates})")
     name, why = _choices[key]
     return (torch.bfloat16 if name == "bf16" else torch.float32), why
-
-
-def model_shapes(hf_config) -> list[tuple[int, int]]:
-    """The (out, in) weight shapes of a Llama-style model's linear layers and LM head (one
-    rank's whole model: tensor-parallel shards are not split here)."""
-    hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head = getattr(hf_config, "head_dim", None) or hidden // heads
-    inter = hf_config.intermediate_size
-    return sorted({((heads + 2 * kv_heads) * head, hidden), (hidden, heads * head), (2 * inter, hidden),
-                   (hidden, inter), (hf_config.vocab_size, hidden)})
 
 
 def _torch(w: torch.Tensor, x: torch.Tensor):
@@ -180,8 +175,12 @@ def _best_times(shapes: list[tuple[int, int]], variants: dict, repeats: int = 3)
 def _probe(shapes: list[tuple[int, int]], dtype: torch.dtype) -> tuple[str, str]:
     """Time F.linear against oneDNN on each shape (interleaved, best of three) and pick."""
     t_torch, t_onednn = _best_times(shapes, {"torch": (dtype, _torch), "onednn": (dtype, _onednn)})
-    flops = sum(2 * PROBE_ROWS * n * k for n, k in shapes)
-    rates = (f"torch {flops / max(t_torch, 1e-9) / 1e9:.0f} GFLOP/s, "
-             f"onednn {flops / max(t_onednn, 1e-9) / 1e9:.0f} GFLOP/s")
     kernel = "onednn" if t_onednn < t_torch else "torch"
+    rates = _rates(shapes, {"torch": t_torch, "onednn": t_onednn})
     return kernel, f"faster on this model's shapes at {PROBE_ROWS} rows ({rates})"
+
+
+def _rates(shapes: list[tuple[int, int]], seconds: dict[str, float]) -> str:
+    """'name N GFLOP/s, ...' for one product per shape at `PROBE_ROWS` rows taking `seconds`."""
+    flops = sum(2 * PROBE_ROWS * n * k for n, k in shapes)
+    return ", ".join(f"{name} {flops / max(t, 1e-9) / 1e9:.0f} GFLOP/s" for name, t in seconds.items())

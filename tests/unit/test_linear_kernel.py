@@ -108,36 +108,37 @@ def test_probing_leaves_the_global_rng_alone():
     assert torch.equal(torch.rand(3), want)
 
 
-SMOLLM2 = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
-               vocab_size=49152)
+def meta_model(name: str | None):
+    """The model `name` (None: the default) on the meta device, as EngineArgs probes it."""
+    from engine.models.llama import model_class
+    from engine.models.loader import load_hf_config, resolve_model
+
+    config = load_hf_config(resolve_model(name, "dummy")[0])
+    with torch.device("meta"):
+        return model_class(config)(config, 256)
 
 
-def test_model_shapes_are_the_llama_layers_and_lm_head():
-    from types import SimpleNamespace
-
-    assert linear_kernel.model_shapes(SimpleNamespace(**SMOLLM2)) == sorted(
+def test_weight_shapes_are_the_llama_layers_and_lm_head():
+    assert linear_kernel.weight_shapes(meta_model(None)) == sorted(
         [(15 * 64, 576), (576, 576), (2 * 1536, 576), (576, 1536), (49152, 576)])
 
 
-@pytest.mark.parametrize("fp32_s, bf16_s, want", [(1.0, 0.5, torch.bfloat16), (1.0, 0.8, torch.float32), (1.0, 0.7, torch.float32)])
+@pytest.mark.parametrize("fp32_s, bf16_s, want", [(1.0, 0.5, torch.bfloat16), (1.0, 0.8, torch.float32),
+                                                  (1.0, 0.7, torch.float32)])
 def test_auto_dtype_takes_bf16_only_when_clearly_faster(monkeypatch, fp32_s, bf16_s, want):
-    from types import SimpleNamespace
-
     # the decision rule alone: the probe's times are given, and this CPU is said to pack bf16
     monkeypatch.setattr(linear_kernel, "onednn_supported", lambda device, dtype: True)
     monkeypatch.setattr(linear_kernel, "_best_times", lambda shapes, variants, repeats: [fp32_s, bf16_s])
     monkeypatch.setattr(linear_kernel, "_choices", {})
-    dtype, why = linear_kernel.choose_cpu_dtype(SimpleNamespace(**SMOLLM2))
+    dtype, why = linear_kernel.choose_cpu_dtype(Tiny(False))
     assert dtype == want
     assert "GFLOP/s" in why and f"{fp32_s / bf16_s:.1f}x" in why
 
 
 def test_auto_dtype_is_float32_without_native_bf16(monkeypatch):
-    from types import SimpleNamespace
-
     monkeypatch.setattr(linear_kernel, "onednn_supported", lambda device, dtype: dtype == torch.float32)
     monkeypatch.setattr(linear_kernel, "_choices", {})
-    assert linear_kernel.choose_cpu_dtype(SimpleNamespace(**SMOLLM2))[0] == torch.float32
+    assert linear_kernel.choose_cpu_dtype(Tiny(False))[0] == torch.float32
 
 
 def test_auto_dtype_probes_this_cpu_and_engine_args_follow_it():
@@ -146,10 +147,7 @@ def test_auto_dtype_probes_this_cpu_and_engine_args_follow_it():
     from engine.config import EngineArgs
 
     auto = EngineArgs(model="tiny-4kv", load_format="dummy", device="cpu").create_engine_config().model.dtype
-    from engine.models.loader import load_hf_config, resolve_model
-
-    want = linear_kernel.choose_cpu_dtype(load_hf_config(resolve_model("tiny-4kv", "dummy")[0]))[0]
-    assert auto == want
+    assert auto == linear_kernel.choose_cpu_dtype(meta_model("tiny-4kv"))[0]
     if not linear_kernel.onednn_supported(CPU, torch.bfloat16):
         assert auto == torch.float32
     pinned = EngineArgs(model="tiny-4kv", load_format="dummy", device="cpu", dtype="float32").create_engine_config()
