@@ -252,6 +252,8 @@ def test_selecting_a_request_shows_its_tables_and_highlights_its_blocks(page, sc
         del server.tables["cmpl-a-0"]
         server.state = IDLE
         page.wait_for_function("document.querySelectorAll('#tables .seq-table').length == 0")
+        # NOTE: the tables and the block map are separate fetches: the list may lag one poll.
+        page.wait_for_function("document.querySelectorAll('#request-list li').length == 0")
         assert "may have finished" in page.inner_text("#selected-title")
         assert page.locator("#device-grid .block.selected").count() == 0
         assert page.locator("#request-list li").count() == 0
