@@ -11,7 +11,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from array import array
 from dataclasses import dataclass
-from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,7 +65,7 @@ class TorchPagedBackend(AttentionBackend):
         bs, dev = self.block_size, self.device
         slots = array("q")
         prefills: list[PrefillSpan] = []
-        decode_tables: list[list[int]] = []
+        decode_tables: list = []  # the decodes' block tables (array('i'), or lists)
         decode_lens = array("i")
         row = 0
         for s in seqs:
@@ -78,7 +77,7 @@ class TorchPagedBackend(AttentionBackend):
             else:
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if s.is_prefill:
-                bt = torch.tensor(table, dtype=torch.int64, device=dev) if start else None
+                bt = _tensor(array("q", table), torch.int64, dev) if start else None
                 prefills.append(PrefillSpan(row, row + n, start, bt))
             else:
                 decode_tables.append(table)
@@ -88,8 +87,13 @@ class TorchPagedBackend(AttentionBackend):
                                  prefills[-1].end if prefills else 0, None, None, max(decode_lens, default=0))
         if decode_tables:
             width = max(len(t) for t in decode_tables)
-            flat = array("i", chain.from_iterable(t + [0] * (width - len(t)) if len(t) < width else t
-                                                  for t in decode_tables))
+            # NOTE: the tables are array('i') (engine/block_manager.py): each extend is a memcpy,
+            # so this copy costs per sequence, not per block.
+            flat, zeros = array("i"), array("i", bytes(4 * width))
+            for t in decode_tables:
+                flat.extend(t)
+                if len(t) < width:
+                    flat.extend(zeros[: width - len(t)])
             meta.decode_block_tables = _tensor(flat, torch.int32, dev).view(len(decode_tables), width)
             meta.decode_context_lens = _tensor(decode_lens, torch.int32, dev)
         return meta

@@ -51,7 +51,8 @@ class SeqInput:
 
     token_ids: list[int]  # tokens whose K/V this step computes (the scheduled slice; one when decoding)
     start: int  # position of token_ids[0]: tokens of this sequence already in the cache
-    block_table: list[int]  # physical block ids covering positions [0, start + len(token_ids))
+    # physical block ids covering positions [0, start + len(token_ids)) (the block manager's array)
+    block_table: array | list[int]
     is_prefill: bool  # True when this step computes more than the last token
     # Prompt logprobs' k: also score token_ids[1:], each under the output at the position before
     # it, with its k best alternatives (see `StepOutput.prompt_scores`). None: no scores.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.block_manager import BlockTable, new_table
 from engine.sequence import Sequence, SequenceGroup
 
 
@@ -13,9 +14,9 @@ class ScheduledSeq:
     group: SequenceGroup  # its request
     num_tokens: int  # tokens computed for it this step (its uncomputed tail or a chunk of it; 1 when decoding)
     is_prefill: bool  # True when this step computes more than the last token
-    # Physical block ids: the block manager's live list (not a copy), valid until the block
+    # Physical block ids: the block manager's live table (not a copy), valid until the block
     # manager changes again (the step has run).
-    block_table: list[int] = field(default_factory=list)
+    block_table: BlockTable = field(default_factory=new_table)
     # False for a prefill chunk that stops short of the sequence's last token: its logits row is
     # ignored and no token is appended (chunked prefill); True otherwise.
     samples: bool = True

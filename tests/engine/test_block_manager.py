@@ -39,12 +39,12 @@ def test_fresh_pool_hands_out_lowest_ids_and_refills_fifo():
     a, b = make_group(6, "a"), make_group(3, "b")
     admit(bm, a)
     admit(bm, b)
-    assert bm.block_table(a.seqs[0]) == [0, 1]
-    assert bm.block_table(b.seqs[0]) == [2]
+    assert bm.block_table(a.seqs[0]).tolist() == [0, 1]
+    assert bm.block_table(b.seqs[0]).tolist() == [2]
     bm.free(a.seqs[0])  # freed blocks go to the back of the free list, last block first
     c = make_group(20, "c")
     admit(bm, c)
-    assert bm.block_table(c.seqs[0]) == [3, 4, 5, 6, 7]
+    assert bm.block_table(c.seqs[0]).tolist() == [3, 4, 5, 6, 7]
     bm.free(b.seqs[0])
     bm.free(c.seqs[0])
     bm.check_integrity()
@@ -73,13 +73,13 @@ def test_copy_on_write_only_for_shared_partial_block():
     child = parent.fork(1, None)
     g.seqs.append(child)
     bm.fork(parent, child)
-    assert bm.block_table(parent) == bm.block_table(child) == [0, 1]
+    assert bm.block_table(parent).tolist() == bm.block_table(child).tolist() == [0, 1]
     bm.check_integrity()
     cow = grow(bm, parent)  # writes into shared block 1: copied
     assert cow == (1, 2)
-    assert bm.block_table(parent) == [0, 2]
+    assert bm.block_table(parent).tolist() == [0, 2]
     assert grow(bm, child) is None  # block 1 is now the child's alone: written in place
-    assert bm.block_table(child) == [0, 1]
+    assert bm.block_table(child).tolist() == [0, 1]
     assert bm.device.blocks[0].ref_count == 2  # the full prompt block stays shared
     bm.check_integrity()
     bm.free(parent)
@@ -97,11 +97,11 @@ def test_prefix_cache_reuses_blocks_and_evicts_least_recently_freed():
     bm = BlockManager(6, 0, 4, enable_prefix_caching=True)
     a = make_group(9, "a")  # blocks 0,1 full (hashed), 2 partial
     admit(bm, a)
-    assert bm.block_table(a.seqs[0]) == [0, 1, 2]
+    assert bm.block_table(a.seqs[0]).tolist() == [0, 1, 2]
     b = make_group(9, "b")  # same prompt: reuses 0 and 1, computes the rest
     assert bm.can_allocate(b) is AllocStatus.OK
     bm.allocate(b)
-    assert bm.block_table(b.seqs[0])[:2] == [0, 1]
+    assert bm.block_table(b.seqs[0])[:2].tolist() == [0, 1]
     assert b.seqs[0].num_computed_tokens == 8
     bm.free(a.seqs[0])
     bm.free(b.seqs[0])
@@ -114,7 +114,7 @@ def test_prefix_cache_reuses_blocks_and_evicts_least_recently_freed():
     c = make_group(24, "c", first_token=500)  # 6 blocks: takes every free block, then evicts 1, 0
     assert bm.can_allocate(c) is AllocStatus.OK
     bm.allocate(c)
-    assert bm.block_table(c.seqs[0]) == [4, 5, 2, 3, 1, 0]
+    assert bm.block_table(c.seqs[0]).tolist() == [4, 5, 2, 3, 1, 0]
     assert not bm.device.cached and not old_hashes & set(bm.device.by_hash)  # evicted
     bm.free(c.seqs[0])
     bm.check_integrity()
@@ -155,7 +155,7 @@ def test_prompt_logprobs_request_computes_its_whole_prompt_but_publishes_its_blo
     assert bm.num_tokens_to_compute(p) == 9
     bm.allocate(p)
     assert p.seqs[0].num_computed_tokens == 0
-    assert bm.block_table(p.seqs[0]) == [3, 4, 5]
+    assert bm.block_table(p.seqs[0]).tolist() == [3, 4, 5]
     assert (bm.prefix_queries, bm.prefix_hits) == (9, 0)  # a's lookup only
     bm.free(a.seqs[0])
     bm.free(p.seqs[0])
@@ -164,11 +164,11 @@ def test_prompt_logprobs_request_computes_its_whole_prompt_but_publishes_its_blo
     bm = BlockManager(8, 0, 4, enable_prefix_caching=True)
     p = make_group(9, "p", prompt_logprobs=2)
     admit(bm, p)
-    assert bm.block_table(p.seqs[0]) == [0, 1, 2]
+    assert bm.block_table(p.seqs[0]).tolist() == [0, 1, 2]
     bm.free(p.seqs[0])
     b = make_group(9, "b")
     bm.allocate(b)
-    assert bm.block_table(b.seqs[0]) == [0, 1, 3]
+    assert bm.block_table(b.seqs[0]).tolist() == [0, 1, 3]
     assert b.seqs[0].num_computed_tokens == 8
     assert (bm.prefix_queries, bm.prefix_hits) == (9, 8)
     bm.free(b.seqs[0])
@@ -192,7 +192,7 @@ def test_cached_prefix_hits_cost_no_tokens_and_live_ones_no_free_block():
     assert bm.can_allocate(b) is AllocStatus.OK  # 0 and 1 are shared: needs 1 block, not 3
     assert pool_state(bm) == before
     bm.allocate(b)
-    assert bm.block_table(b.seqs[0]) == [0, 1, 3]
+    assert bm.block_table(b.seqs[0]).tolist() == [0, 1, 3]
     assert b.seqs[0].num_uncomputed_tokens == 1
     assert bm.can_allocate(make_group(9, "c")) is AllocStatus.LATER  # shares 0, 1; no block left
     bm.free(a.seqs[0])
@@ -202,7 +202,7 @@ def test_cached_prefix_hits_cost_no_tokens_and_live_ones_no_free_block():
 
     x = make_group(7, "x", first_token=500)  # takes the 2 free blocks: 2 (full), 3
     admit(bm, x)
-    assert bm.block_table(x.seqs[0]) == [2, 3]
+    assert bm.block_table(x.seqs[0]).tolist() == [2, 3]
     d = make_group(9, "d")  # hits cached 0 and 1 (unreferenced): each takes a pool block
     before = pool_state(bm)
     assert bm.num_tokens_to_compute(d) == 1
@@ -212,7 +212,7 @@ def test_cached_prefix_hits_cost_no_tokens_and_live_ones_no_free_block():
     bm.free(x.seqs[0])
     assert bm.can_allocate(d) is AllocStatus.OK
     bm.allocate(d)
-    assert bm.block_table(d.seqs[0]) == [0, 1, 3]
+    assert bm.block_table(d.seqs[0]).tolist() == [0, 1, 3]
     assert d.seqs[0].num_uncomputed_tokens == 1
     bm.free(d.seqs[0])
     bm.check_integrity()
@@ -226,7 +226,7 @@ def test_whole_cached_prompt_counts_its_last_block_as_tokens_to_compute():
     assert bm.num_tokens_to_compute(b) == 4
     bm.allocate(b)
     assert b.seqs[0].num_uncomputed_tokens == 4
-    assert bm.block_table(b.seqs[0]) == [0, 2]
+    assert bm.block_table(b.seqs[0]).tolist() == [0, 2]
     bm.free(a.seqs[0])
     bm.free(b.seqs[0])
     bm.check_integrity()

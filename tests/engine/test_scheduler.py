@@ -213,7 +213,7 @@ def test_admission_of_a_cached_prompt_shares_live_blocks():
     fake_step(sched)
     sched.add(group("b", 9, max_tokens=3, t=1))
     out, _ = fake_step(sched)
-    got = [(s.group.request_id, s.num_tokens, s.block_table) for s in out.scheduled]
+    got = [(s.group.request_id, s.num_tokens, s.block_table.tolist()) for s in out.scheduled]
     assert got == [("b", 1, [0, 1, 3]), ("a", 1, [0, 1, 2])]
     assert sched.block_manager.num_free_device_blocks == 0
 
