@@ -30,12 +30,6 @@ def check_request(token_ids: list[int], params: SamplingParams, config: EngineCo
             f"{len(token_ids) + n_out} tokens ({len(token_ids)} in the messages, {n_out} in the "
             "completion). Please reduce the length of the messages or completion."
         )
-    sc = config.scheduler
-    if sc.enable_chunked_prefill and params.prompt_logprobs is not None and len(token_ids) > sc.max_num_batched_tokens:
-        raise ValueError(
-            f"prompt_logprobs needs the whole prompt in one step: at most max_num_batched_tokens="
-            f"{sc.max_num_batched_tokens} prompt tokens with chunked prefill, got {len(token_ids)}."
-        )
     needed = bm.num_blocks_for(max(len(token_ids), bm.reserve_tokens or 0))
     if needed > bm.device.num_blocks:
         raise ValueError(

@@ -47,7 +47,8 @@ Chunked prefill (`enable_chunked_prefill`): a prompt whose uncomputed tokens exc
 remaining budget is prefilled over several steps, each chunk ending on a block boundary where the
 budget allows (`StepPlan._chunk_size`); it samples only at the chunk that computes its last token
 (`ScheduledSeq.samples`). A request whose prompt logprobs are still to be computed is not chunked
-(every prompt row is scored in one step). Recomputed beams prefill up to their last token, then
+(every prompt row is scored in one step): it is prefilled whole once it fits the budget, or as
+the oldest request even past the budget (that step runs nothing else). Recomputed beams prefill up to their last token, then
 decode together, so that every beam samples in the same step.
 """
 
@@ -177,7 +178,7 @@ class Scheduler:
         # (1) The oldest request first (all its sequences), then every decode, then chunks
         # (NOTE: none when every running sequence already has its slot, the common decode step).
         for group in self.running:
-            step.schedule_group(group, decode=True, prefill=group is oldest)
+            step.schedule_group(group, decode=True, prefill=group is oldest, oldest=group is oldest)
         if len(step.scheduled) < num_running and step.tokens >= 1:
             step.schedule_chunks(self.running, oldest)
 

@@ -77,11 +77,14 @@ class StepPlan:
                 self.out.blocks_to_copy.remove(cow)
 
     def schedule_group(self, group: SequenceGroup, *, decode: bool, prefill: bool,
-                        only: Iterable[Sequence] | None = None) -> None:
+                        only: Iterable[Sequence] | None = None, oldest: bool = False) -> None:
         """Schedule the group's running sequences (or `only` these), in index order, within the
         step's token budget: decodes (`decode`) take a slot for their next token, prefills
         (`prefill`) their next chunk (or all their uncomputed tokens without chunking).
-        Beams decode together or not at all; recomputed beams stop a token short."""
+        Beams decode together or not at all; recomputed beams stop a token short. `oldest`:
+        the oldest request, scheduled first, whose prefill that cannot be chunked (its prompt
+        logprobs) runs whole even past the budget, so that any prompt within max_model_len can
+        ask for prompt logprobs."""
         if only is None and len(group.seqs) == 1:
             # NOTE: the common case, for every request at every step: one sequence, no beams.
             seq = group.seqs[0]
@@ -108,10 +111,14 @@ class StepPlan:
                 if decode and self._caught_up(seq):
                     self._decode(seq, group, seq.num_uncomputed_tokens)
             elif prefill:
-                n = self._chunk_size(seq, self.tokens) if self.may_chunk(group) else seq.num_uncomputed_tokens
+                chunks = self.may_chunk(group)
+                n = self._chunk_size(seq, self.tokens) if chunks else seq.num_uncomputed_tokens
                 if beams:
                     n = min(n, seq.num_uncomputed_tokens - 1)
-                if 0 < n <= self.tokens and self._caught_up(seq):
+                # NOTE: past the budget only for the oldest's prompt-logprob prefill with
+                # chunking on, in a step that holds nothing else yet: it runs alone.
+                whole = oldest and self.chunked and not chunks and not self.scheduled
+                if 0 < n and (n <= self.tokens or whole) and self._caught_up(seq):
                     self._add(ScheduledSeq(seq, group, n, True, self.block_manager.tables[seq.seq_id],
                                            samples=n == seq.num_uncomputed_tokens))
 

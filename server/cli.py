@@ -126,9 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-num-batched-tokens", type=int, default=None)
     eng.add_argument("--preemption-mode", default="swap", choices=["swap", "recompute"])
     eng.add_argument("--max-preemptions-per-request", type=int, default=8)
-    eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
+    eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                      help="prefill long prompts over several steps, so --max-num-batched-tokens "
-                          "may be below --max-model-len and bounds each step")
+                          "(default 256 on a CPU, 2048 on a GPU; off: room for a whole prompt) "
+                          "bounds each step (on by default)")
     eng.add_argument("--seed", type=int, default=0)
     eng.add_argument("--tensor-parallel-size", type=int, default=1)
     return p

@@ -4,7 +4,7 @@ transformers token for token (block sizes 16 and 1, batched with staggered arriv
 running requests decode in every step of a long prefill; a request preempted between its
 chunks (swap or recompute) gives unchanged output; prefix caching never serves a block that a
 chunked prompt has not computed yet; prompt logprobs are unchanged (such a request is never
-chunked); and a server started with the flags serves a long prompt."""
+chunked, and may exceed the budget); and a server started with the flags serves a long prompt."""
 
 from __future__ import annotations
 
@@ -60,7 +60,9 @@ def step_all(engine, pending: dict[int, list[tuple[str, list[int], SamplingParam
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        assert engine.last_stats.iteration_tokens <= engine.config.scheduler.max_num_batched_tokens
+        # within the budget, but for a prompt-logprob prefill that runs whole, alone
+        assert (engine.last_stats.iteration_tokens <= engine.config.scheduler.max_num_batched_tokens
+                or len(engine.requests) == 1 and next(iter(engine.requests.values())).params.prompt_logprobs)
         if check is not None:
             check(engine, steps)
         engine.block_manager.check_integrity()
@@ -161,7 +163,7 @@ def test_prefix_caching_serves_only_computed_chunks(make_llm, hf_model, tokenize
 
 def test_prompt_logprobs_are_unchanged_and_never_chunked(make_llm, hf_model, tokenizer, monkeypatch):
     """A prompt-logprob request within the budget is scheduled whole, beside a chunked prompt,
-    and its logprobs equal HF's; one longer than the budget is refused up front."""
+    and its logprobs equal HF's; one longer than the budget runs whole as the oldest request."""
     engine = make_llm(block_size=16, **CHUNKED).engine
     short, long = prompt_of_length(tokenizer, 60, 150), prompt_of_length(tokenizer, 333, 30)
     scheduled = []
@@ -180,8 +182,16 @@ def test_prompt_logprobs_are_unchanged_and_never_chunked(make_llm, hf_model, tok
     with torch.inference_mode():
         ref = torch.log_softmax(hf_model(torch.tensor([short])).logits[0].float(), dim=-1)
     assert_matches_hf(done["p"].prompt_logprobs, short, ref, k=3, label="chunked engine")
-    with pytest.raises(ValueError, match="prompt_logprobs needs the whole prompt"):
-        engine.add_request("too long", long, greedy(2, prompt_logprobs=1))
+    # Longer than the budget: it waits until it is the oldest, then runs whole, alone, past the budget.
+    steps = []
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: steps.append(schedule()) or steps[-1])
+    done = step_all(engine, {0: [("s", short, greedy(6))], 1: [("long p", long, greedy(2, prompt_logprobs=1))]})
+    monkeypatch.undo()
+    (prefill,) = [out for out in steps if any(s.group.request_id == "long p" and s.is_prefill for s in out.scheduled)]
+    assert [(s.group.request_id, s.num_tokens) for s in prefill.scheduled] == [("long p", 333)]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([long])).logits[0].float(), dim=-1)
+    assert_matches_hf(done["long p"].prompt_logprobs, long, ref, k=1, label="past the budget")
     assert not engine.has_unfinished_requests()
 
 

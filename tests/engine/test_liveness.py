@@ -1,7 +1,8 @@
 """Liveness under KV pressure, as a property: random workloads and pool sizes through the real
 Scheduler and BlockManager (no model), with the engine's post-step bookkeeping simulated:
 samples fork after the prompt (n / best_of), beams fork and drop every step, prefilled blocks are
-registered for the prefix cache, sequences finish at max_tokens (ignore_eos).
+registered for the prefix cache, prompt logprobs are computed at the prompt's last step,
+sequences finish at max_tokens (ignore_eos).
 
 Asserted at every step: the pool invariants (`check_integrity`), the budgets, that beams are
 scheduled together. At the end: every request finished, within the bound that the scheduler's
@@ -24,6 +25,7 @@ from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import SequenceGroup, SequenceStatus
+from engine.step_plan import logprobs_pending
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class Req:
     best_of: int
     beam: bool
     prefix: int  # how many leading tokens come from the shared base prompt (prefix caching)
+    prompt_logprobs: bool = False  # never chunked; as the oldest, prefilled whole past the budget
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ def make_group(w: World, i: int, r: Req) -> SequenceGroup:
     base = [3 + (7 * k) % 1000 for k in range(r.prefix)]
     ids = base + [3 + (500 + 97 * i + 13 * k) % 1000 for k in range(r.prompt_len - r.prefix)]
     params = SamplingParams(n=2 if r.beam else 1, best_of=r.best_of, max_tokens=r.max_tokens, ignore_eos=True,
-                            use_beam_search=r.beam, temperature=0.0 if r.beam else 1.0)
+                            use_beam_search=r.beam, temperature=0.0 if r.beam else 1.0,
+                            prompt_logprobs=1 if r.prompt_logprobs else None)
     g = SequenceGroup(f"r{i}", None, ids, params, arrival_time=float(r.arrival))
     g.max_tokens = r.max_tokens
     return g
@@ -87,7 +91,11 @@ def step(sched: Scheduler, rng: random.Random, w: World) -> list[SequenceGroup]:
     if any(g.request_id in out.preempted for g in [*sched.waiting, *sched.swapped]):
         # a request was preempted whole: no extra sample may run in its place
         assert all(len(g.seqs_with_status(SequenceStatus.RUNNING)) <= 1 or g.is_beam_search for g in sched.running)
-    assert out.num_batched_tokens <= w.budget
+    if out.num_batched_tokens > w.budget:
+        # only the oldest request's prompt-logprob prefill (never chunked) passes it, alone
+        assert w.chunked and len({s.group.request_id for s in out.scheduled}) == 1
+        assert logprobs_pending(out.scheduled[0].group) and out.scheduled[0].group is sched.running[0]
+        event("a prompt-logprob prefill past the budget")
     beams: dict[str, list] = {}
     for s in out.scheduled:
         assert s.block_table == bm.block_table(s.seq)
@@ -99,6 +107,8 @@ def step(sched: Scheduler, rng: random.Random, w: World) -> list[SequenceGroup]:
             continue
         assert s.seq.num_uncomputed_tokens == 0
         g = s.group
+        if logprobs_pending(g):
+            g.prompt_logprobs = []  # computed in this step (engine/prompt_logprobs.py)
         if g.is_beam_search:
             beams.setdefault(g.request_id, [g, []])[1].append(s.seq)
             continue
@@ -201,7 +211,7 @@ def worlds(draw) -> World:
         reqs.append(Req(arrival=draw(st.integers(0, 12)), prompt_len=p,
                         max_tokens=draw(st.integers(1, max(1, min(max_len - p, 32)))),
                         best_of=draw(st.integers(2 if beam else 1, min(seqs, 6 if beam else 12))), beam=beam,
-                        prefix=draw(st.integers(0, p))))
+                        prefix=draw(st.integers(0, p)), prompt_logprobs=not beam and draw(st.booleans())))
     return World(gpu, draw(st.integers(0, 48)), bs, max_len, seqs, budget, chunked, draw(st.booleans()),
                  draw(st.sampled_from(["swap", "recompute"])), draw(st.integers(0, 3)), tuple(reqs),
                  draw(st.integers(0, 2**16)))
@@ -259,7 +269,8 @@ def test_engine_finishes_random_workloads_on_a_small_pool(chunked, prefix, mode,
             p = rng.randint(1, w.max_model_len - 2)
             beam = rng.random() < 0.3
             reqs.append(Req(rng.randint(0, 6), p, rng.randint(1, min(w.max_model_len - p, 20)),
-                            rng.randint(2, seqs) if beam else rng.randint(1, seqs), beam, rng.randint(0, p)))
+                            rng.randint(2, seqs) if beam else rng.randint(1, seqs), beam, rng.randint(0, p),
+                            not beam and rng.random() < 0.3))
         run_engine(engine, w, reqs, rng)
 
 
@@ -276,7 +287,8 @@ def run_engine(engine, w: World, reqs: list[Req], rng: random.Random) -> None:
             g = make_group(w, i, r)
             params = g.params
             if not r.beam and rng.random() < 0.5:
-                params = SamplingParams(n=r.best_of, max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0)
+                params = SamplingParams(n=r.best_of, max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0,
+                                        prompt_logprobs=params.prompt_logprobs)
             rid = f"{id(reqs)}-{i}"
             try:
                 engine.add_request(rid, g.prompt_token_ids, params)

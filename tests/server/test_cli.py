@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import CPU_CHUNKED_BUDGET, GPU_CHUNKED_BUDGET
 from server.cli import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,12 +67,21 @@ def test_unknown_yaml_key_is_an_error(tmp_path, capsys):
     assert "unknown setting 'prot'" in capsys.readouterr().err
 
 
-def test_chunked_prefill_flag_lets_the_step_budget_go_below_max_model_len():
-    assert parse_args([]).engine_args.enable_chunked_prefill is False
+def test_chunked_prefill_is_on_by_default_and_the_flag_turns_it_off():
+    default = parse_args(["--max-model-len", "2048"]).engine_args
+    assert default.enable_chunked_prefill is True
+    config = default.create_engine_config()
+    # the device's step budget (engine/config.py), below max_model_len
+    budget = GPU_CHUNKED_BUDGET if config.device.type == "cuda" else CPU_CHUNKED_BUDGET
+    assert (config.scheduler.enable_chunked_prefill, config.scheduler.max_num_batched_tokens) == (True, budget)
+    off = parse_args(["--max-model-len", "2048", "--no-enable-chunked-prefill"]).engine_args
+    assert off.enable_chunked_prefill is False
+    assert off.create_engine_config().scheduler.max_num_batched_tokens == 2048  # a whole prompt per step
     flags = ["--max-model-len", "2048", "--max-num-batched-tokens", "64"]
     with pytest.raises(ValueError, match="must be at least max_model_len"):
-        parse_args(flags).engine_args.create_engine_config()
-    cli = parse_args([*flags, "--enable-chunked-prefill"])
-    assert cli.engine_args.enable_chunked_prefill is True
-    sched = cli.engine_args.create_engine_config().scheduler
+        parse_args([*flags, "--no-enable-chunked-prefill"]).engine_args.create_engine_config()
+    sched = parse_args(flags).engine_args.create_engine_config().scheduler
     assert (sched.enable_chunked_prefill, sched.max_num_batched_tokens, sched.max_model_len) == (True, 64, 2048)
+    # never below max_num_seqs: every running sequence decodes each step
+    many = parse_args(["--max-model-len", "2048", "--max-num-seqs", "300"]).engine_args
+    assert many.create_engine_config().scheduler.max_num_batched_tokens == 300
