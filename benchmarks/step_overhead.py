@@ -121,8 +121,8 @@ def main() -> None:
             for batch in args.batch:
                 r = measure(batch, context, args.steps, sampling)
                 print(f"| {sampling} | {context} | {batch} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | "
-                      f"{r['overhead_ms']:.2f} | {r['prepare_ms']:.2f} | {r['overhead_us_per_seq']:.0f} | {r['overhead_p10_ms']:.2f} | "
-                      f"{r['overhead_p10_us_per_seq']:.0f} |", flush=True)
+                      f"{r['overhead_ms']:.2f} | {r['prepare_ms']:.2f} | {r['overhead_us_per_seq']:.0f} | "
+                      f"{r['overhead_p10_ms']:.2f} | {r['overhead_p10_us_per_seq']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ and the CPU swap pool. Allocation on demand, copy-on-write, prefix-cache hashes 
 
 A sequence's table lives in exactly one pool (device while it runs, CPU while swapped) and is an
 `array('i')` of block ids (`BlockTable`): `block_table` hands out that array itself (no copy),
-valid until the next call here. "Does not fit" is a return value (`plan(...).status`, the `can_*` methods), never an
-exception.
+valid until the next call here. "Does not fit" is a return value (`plan(...).status`, the
+`can_*` methods), never an exception.
 
 Prefix caching: each sequence keeps the chain of its full blocks' hashes (`Sequence.block_hashes`,
 each hash chained from its parent's), extended only when a block fills, and a cursor of the

@@ -48,8 +48,8 @@ remaining budget is prefilled over several steps, each chunk ending on a block b
 budget allows (`StepPlan._chunk_size`); it samples only at the chunk that computes its last token
 (`ScheduledSeq.samples`). A request whose prompt logprobs are still to be computed is not chunked
 (every prompt row is scored in one step): it is prefilled whole once it fits the budget, or as
-the oldest request even past the budget (that step runs nothing else). Recomputed beams prefill up to their last token, then
-decode together, so that every beam samples in the same step.
+the oldest request even past the budget (that step runs nothing else). Recomputed beams prefill
+up to their last token, then decode together, so that every beam samples in the same step.
 """
 
 from __future__ import annotations
