@@ -17,6 +17,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -67,6 +69,31 @@ inline void prefetch_row(const T* row, int row_len) {
   constexpr int kLine = 64;
   const char* p = reinterpret_cast<const char*>(row);
   for (int b = 0; b < row_len * static_cast<int>(sizeof(T)); b += kLine) prefetch_line(p + b);
+}
+
+// exp(x) for x <= 0 (logits less their maximum), in a form the compiler vectorises (std::exp is
+// a libm call per element: with 2 query heads per KV head and head 32, the softmax's exps took
+// as long as reading the K/V rows). Cephes' expf: x = n ln2 + f with |f| <= ln2/2 (ln2 in two
+// parts), a degree-6 polynomial for e^f, then 2^n added to the exponent bits. Relative error
+// ~1e-7 (fp32 rounding); below -87 (e^x under FLT_MIN) it returns e^-87, which the softmax
+// sum makes 0 in effect.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float f = x - n * 0.693359375f;
+  f = f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  float y = p * f * f + f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &y, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&y, &bits, sizeof bits);
+  return y;
 }
 
 template <int N>
@@ -135,10 +162,12 @@ void attend_one(const AttentionArgs& a, int seq, int kv_head, T* out, const T* q
   for (int g = 0; g < group; ++g) {
     float* l = &logits[g * context_len];
     float max_logit = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max_logit)
     for (int t = 0; t < context_len; ++t) max_logit = std::max(max_logit, l[t]);
     float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
     for (int t = 0; t < context_len; ++t) {
-      l[t] = std::exp(l[t] - max_logit);
+      l[t] = exp_nonpositive(l[t] - max_logit);
       sum += l[t];
     }
     inv_sum[g] = 1.f / sum;
