@@ -4,7 +4,7 @@ the same workload.
 Each point (streams S, requests R) starts one server at a time on a free loopback port, sends R
 streaming greedy /v1/completions with ignore_eos, at most S in flight, and stops it before the
 next server starts:
-  - paged-serve with its defaults (fp32) plus any flags after `--`;
+  - paged-serve with its defaults plus any flags after `--`;
   - llama-server `-m <the default GGUF> -np S --kv-unified -cb -t <cores> -c S*(512+256)`,
     built from source when missing (benchmarks/llama_cpp_build.py).
 Workload (seeded): prompts 70% 8-63 / 25% 64-255 / 5% 256-511 tokens, outputs 70% 16-63 /
