@@ -82,11 +82,11 @@ class OutputProcessor:
             seq.status = SequenceStatus.FINISHED_STOPPED
             seq.stop_reason = None if is_eos else t
             if seq.detokenizer is not None:
-                seq.output_text += seq.detokenizer.flush()
+                seq.append_text(seq.detokenizer.flush())
             return
         if seq.detokenizer is not None:
             delta = seq.detokenizer.step(t)
-            seq.output_text += delta
+            seq.append_text(delta)
             if group.stop_strings is not None and delta:
                 self.check_stop_strings(seq, group, delta, can_stop)
                 if seq.status.is_finished:
@@ -94,12 +94,12 @@ class OutputProcessor:
         if seq.grammar is not None and seq.grammar.is_complete:
             seq.status = SequenceStatus.FINISHED_STOPPED  # the output is complete: nothing may follow
             if seq.detokenizer is not None:
-                seq.output_text += seq.detokenizer.flush()
+                seq.append_text(seq.detokenizer.flush())
             return
         if n_out >= group.max_tokens or len(seq) >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH
             if seq.detokenizer is not None:
-                seq.output_text += seq.detokenizer.flush()
+                seq.append_text(seq.detokenizer.flush())
 
     @staticmethod
     def check_stop_strings(seq: Sequence, group: SequenceGroup, delta: str, can_stop: bool) -> None:
@@ -110,7 +110,7 @@ class OutputProcessor:
         if hit is None:
             return
         end_in_delta, stop = hit
-        end = len(seq.output_text) - len(delta) + end_in_delta
+        end = seq.text_len - len(delta) + end_in_delta
         keep = group.params.include_stop_str_in_output
         seq.output_text = seq.output_text[: end if keep else end - len(stop)]
         seq.status = SequenceStatus.FINISHED_STOPPED
@@ -157,7 +157,7 @@ class OutputProcessor:
         logprobs = seq.output_logprobs if want_logprobs else None
         status = seq.status
         # NOTE: without stop strings nothing is held (no call: this runs at every step)
-        end = len(seq.output_text) - (self.held(seq) if seq.stop_state is not None else 0)
+        end = seq.text_len - (self.held(seq) if seq.stop_state is not None else 0)
         cumulative = seq.cumulative_logprob if scored else None
         if kind is not OutputKind.DELTA:
             return CompletionOutput(index, seq.output_text[:end], list(seq.output_token_ids), cumulative,
@@ -173,7 +173,7 @@ class OutputProcessor:
             return None
         seq.delta_sent = (max(end, sent_chars), n)
         seq.delta_sent_finished = finished
-        return CompletionOutput(index, seq.output_text[sent_chars:end], tokens[sent_tokens:],
+        return CompletionOutput(index, seq.text_slice(sent_chars, end), tokens[sent_tokens:],
                                 cumulative, logprobs[sent_tokens:] if logprobs is not None else None,
                                 status.finish_reason, seq.stop_reason)
 
@@ -196,4 +196,4 @@ class OutputProcessor:
     @staticmethod
     def visible_text(seq: Sequence) -> str:
         """The sequence's text less the held tail (`held`)."""
-        return seq.output_text[: len(seq.output_text) - OutputProcessor.held(seq)]
+        return seq.output_text[: seq.text_len - OutputProcessor.held(seq)]

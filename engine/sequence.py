@@ -7,6 +7,7 @@ import enum
 import itertools
 import random
 import time
+from bisect import bisect_left, bisect_right
 
 
 from engine.beam_state import BeamState
@@ -59,7 +60,13 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[dict[int, Logprob]] = []
-        self.output_text = ""
+        # The generated text as the pieces appended (`append_text`): a streamed delta slices
+        # only its tail (`text_slice`), and `output_text` joins the pieces where the whole text
+        # is wanted. NOTE: `str +=` on an attribute copies the whole text at every token.
+        self._text: list[str] = []
+        self._text_starts: list[int] = []  # offset of each piece
+        self.text_len = 0
+        self.text_joins = 0  # joins of the whole text (tests count them)
         self.stop_reason: str | int | None = None
         self.generator = generator  # a random.Random seeded for this sample, or None (engine/sampler.py)
         self.detokenizer = None  # engine.tokenizer.IncrementalDetokenizer, set by the engine
@@ -101,6 +108,35 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self) - self.num_computed_tokens
+
+    def append_text(self, piece: str) -> None:
+        if piece:
+            self._text_starts.append(self.text_len)
+            self._text.append(piece)
+            self.text_len += len(piece)
+
+    def text_slice(self, start: int, end: int) -> str:
+        """output_text[start:end] (0 <= start, end <= text_len), joining only the pieces that
+        hold it: for a delta, the last few."""
+        if start >= end:
+            return ""
+        starts = self._text_starts
+        i, j = bisect_right(starts, start) - 1, bisect_left(starts, end)  # pieces [i, j) hold it
+        text = self._text[i] if j - i == 1 else "".join(self._text[i:j])
+        return text[start - starts[i]: end - starts[i]]
+
+    @property
+    def output_text(self) -> str:
+        parts = self._text
+        if len(parts) > 1:
+            self.text_joins += 1
+            parts[:] = ["".join(parts)]
+            self._text_starts[:] = [0]
+        return parts[0] if parts else ""
+
+    @output_text.setter
+    def output_text(self, text: str) -> None:
+        self._text, self._text_starts, self.text_len = ([text], [0], len(text)) if text else ([], [], 0)
 
     def fork(self, index: int, generator) -> "Sequence":
         child = Sequence(self.prompt_token_ids, index, generator)

@@ -5,6 +5,7 @@ reported, block tables copied or held as Python lists), never timing it."""
 from __future__ import annotations
 
 import json
+import random
 from array import array
 from pathlib import Path
 
@@ -66,3 +67,28 @@ def test_a_long_stream_costs_the_same_per_step_at_its_end_as_at_its_start(tmp_pa
     assert list_tables == 0
     bm.check_integrity()
     assert not bm.tables
+
+
+def test_a_long_streamed_text_is_sliced_per_step_never_joined_whole(tokenizer):
+    """With the real tokenizer, 2,000 streamed tokens (stop strings among them): each step's
+    delta joins only the new pieces of text, never the whole text so far, and the deltas add up
+    to the final text."""
+    from engine.output_processor import OutputProcessor
+    from engine.sampler import SampleResult
+    from engine.sequence import SequenceGroup
+
+    processor = OutputProcessor(tokenizer, tokenizer.eos_token_id, 4096)
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, stop=["never appears \u2603"])
+    group = SequenceGroup("long", None, [(7 * k) % 1000 + 3 for k in range(50)], params)
+    group.max_tokens, group.output_kind = NEW_TOKENS, OutputKind.DELTA
+    seq = group.seqs[0]
+    processor.attach_detokenizer(seq, group)
+    rng, deltas = random.Random(0), []
+    while not group.is_finished:
+        processor.append(seq, group, SampleResult(rng.randrange(100, 20000), None, None, None))
+        out = processor.output(group)
+        if out is not None:
+            deltas.extend(c.text for c in out.outputs)
+    assert len(seq.output_token_ids) == NEW_TOKENS and seq.text_len > 2 * NEW_TOKENS
+    assert seq.text_joins == 0  # no step built the whole text
+    assert "".join(deltas) == seq.output_text
