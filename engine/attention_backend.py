@@ -20,6 +20,7 @@ from cuda_ext import ops
 
 if TYPE_CHECKING:
     from engine.model_runner import SeqInput
+    from engine.table_rows import TableRows
 
 
 @dataclass
@@ -50,8 +51,9 @@ class AttentionBackend(ABC):
         self.device = device
 
     @abstractmethod
-    def build_metadata(self, seqs: list[SeqInput]) -> AttentionMetadata:
-        """The step's metadata; `seqs` in batch order, prefills first."""
+    def build_metadata(self, seqs: list[SeqInput], table_rows: TableRows | None = None) -> AttentionMetadata:
+        """The step's metadata; `seqs` in batch order, prefills first. `table_rows`: the block
+        tables as matrix rows (each decode's `block_row`), when the step carries them."""
 
     @abstractmethod
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -61,12 +63,13 @@ class AttentionBackend(ABC):
 
 
 class TorchPagedBackend(AttentionBackend):
-    def build_metadata(self, seqs: list[SeqInput]) -> AttentionMetadata:
+    def build_metadata(self, seqs: list[SeqInput], table_rows: TableRows | None = None) -> AttentionMetadata:
         bs, dev = self.block_size, self.device
         slots = array("q")
         prefills: list[PrefillSpan] = []
         decode_tables: list = []  # the decodes' block tables (array('i'), or lists)
         decode_lens = array("i")
+        decode_rows = array("q")  # their rows in `table_rows`
         row = 0
         for s in seqs:
             table, start = s.block_table, s.start
@@ -82,19 +85,26 @@ class TorchPagedBackend(AttentionBackend):
             else:
                 decode_tables.append(table)
                 decode_lens.append(start + n)
+                decode_rows.append(s.block_row)
             row += n
         meta = AttentionMetadata(self, _tensor(slots, torch.int64, dev), prefills,
                                  prefills[-1].end if prefills else 0, None, None, max(decode_lens, default=0))
         if decode_tables:
             width = max(len(t) for t in decode_tables)
-            # NOTE: the tables are array('i') (engine/block_manager.py): each extend is a memcpy,
-            # so this copy costs per sequence, not per block.
-            flat, zeros = array("i"), array("i", bytes(4 * width))
-            for t in decode_tables:
-                flat.extend(t)
-                if len(t) < width:
-                    flat.extend(zeros[: width - len(t)])
-            meta.decode_block_tables = _tensor(flat, torch.int32, dev).view(len(decode_tables), width)
+            if table_rows is not None and min(decode_rows) >= 0:
+                # NOTE: one sequential pass over one matrix (engine/table_rows.py), its rows zero
+                # past each table, rather than a copy of every table (cache misses per block).
+                matrix = torch.frombuffer(table_rows.data, dtype=torch.int32).view(table_rows.num_rows,
+                                                                                  table_rows.width)
+                rows = torch.frombuffer(decode_rows, dtype=torch.int64)
+                meta.decode_block_tables = matrix[:, :width].index_select(0, rows).to(dev)
+            else:  # a tensor-parallel worker's step, or tables of another origin (tests)
+                flat, zeros = array("i"), array("i", bytes(4 * width))
+                for t in decode_tables:  # NOTE: array('i') tables: a memcpy each
+                    flat.extend(t)
+                    if len(t) < width:
+                        flat.extend(zeros[: width - len(t)])
+                meta.decode_block_tables = _tensor(flat, torch.int32, dev).view(len(decode_tables), width)
             meta.decode_context_lens = _tensor(decode_lens, torch.int32, dev)
         return meta
 

@@ -11,6 +11,9 @@ Prefix caching: each sequence keeps the chain of its full blocks' hashes (`Seque
 each hash chained from its parent's), extended only when a block fills, and a cursor of the
 blocks it has registered (`num_registered_blocks`): per step the work is for the new blocks
 only, whatever the sequence's length. `num_hashes` counts the hashes computed (tests count it).
+
+The device tables are mirrored in `rows` (engine/table_rows.py), the matrix the attention
+metadata selects the decodes' tables from; every change to `tables` goes through here.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 
 from engine.block_pool import Block, BlockPool
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.table_rows import TableRows
 
 __all__ = ["AdmissionPlan", "AllocStatus", "Block", "BlockManager", "BlockPool", "BlockTable", "new_table"]
 
@@ -68,6 +72,7 @@ class BlockManager:
         self.watermark_blocks = watermark_blocks
         self.tables: dict[int, BlockTable] = {}  # seq_id -> device block ids
         self.cpu_tables: dict[int, BlockTable] = {}  # seq_id -> swap-pool block ids
+        self.rows = TableRows()  # `tables` as the rows of one matrix
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0
         self.num_hashes = 0  # block hashes computed (each once per sequence)
@@ -211,6 +216,7 @@ class BlockManager:
             while len(table) < self.num_blocks_for(self._tokens_to_allocate(seq)):
                 table.append(pool.allocate().block_id)
             self.tables[seq.seq_id] = table
+            self.rows.assign(seq.seq_id, table)
             if idx == 0:
                 first = table
             if register:
@@ -271,6 +277,7 @@ class BlockManager:
         table, pool, n = self.tables[seq.seq_id], self.device, len(seq)
         if len(table) * self.block_size < n:
             table.append(pool.allocate().block_id)
+            self.rows.set(seq.seq_id, len(table) - 1, table[-1])
             return None
         idx = (n - 1) // self.block_size  # the last token's block
         last = pool.blocks[table[idx]]
@@ -278,6 +285,7 @@ class BlockManager:
             return None
         new = pool.allocate()
         table[idx] = new.block_id
+        self.rows.set(seq.seq_id, idx, new.block_id)
         pool.release(last)
         return last.block_id, new.block_id
 
@@ -287,10 +295,12 @@ class BlockManager:
         for i in table:
             self.device.ref(self.device.blocks[i])
         self.tables[child.seq_id] = table[:]
+        self.rows.assign(child.seq_id, table)
         child.num_registered_blocks = parent.num_registered_blocks
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references, device or swap pool; a no-op if it holds none."""
+        self.rows.release(seq.seq_id, len(self.tables.get(seq.seq_id, ())))
         for pool, tables in ((self.device, self.tables), (self.cpu, self.cpu_tables)):
             for i in reversed(tables.pop(seq.seq_id, ())):
                 pool.release(pool.blocks[i])
@@ -334,6 +344,8 @@ class BlockManager:
         mapping: dict[int, Block] = {}
         for seq in group.seqs_with_status(status):
             moved = new_table()
+            if src_tables is self.tables:
+                self.rows.release(seq.seq_id, len(self.tables[seq.seq_id]))
             for i in src_tables.pop(seq.seq_id):
                 if i in mapping:
                     dst_pool.ref(mapping[i])
@@ -342,6 +354,8 @@ class BlockManager:
                 moved.append(mapping[i].block_id)
                 src_pool.release(src_pool.blocks[i])
             dst_tables[seq.seq_id] = moved
+            if dst_tables is self.tables:
+                self.rows.assign(seq.seq_id, moved)
             seq.num_registered_blocks = 0  # blocks new to the pool carry no hash yet
         return [(src, dst.block_id) for src, dst in mapping.items()]
 
@@ -367,6 +381,7 @@ class BlockManager:
             assert pool.num_shared == sum(1 for b in pool.blocks if b.ref_count > 1), "shared counter drifted"
             for h, i in pool.by_hash.items():
                 assert pool.blocks[i].hash == h
+        self.rows.check(self.tables)
 
     def all_free(self) -> bool:
         return (not self.tables and not self.cpu_tables and self.device.num_free == self.device.num_blocks

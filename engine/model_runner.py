@@ -36,6 +36,7 @@ from engine.models.llama import model_class
 from engine.models.loader import load_weights
 from engine.sampler import SampleResult, score_tokens
 from engine.scheduler import SchedulerOutput
+from engine.table_rows import TableRows
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class SeqInput:
     # Prompt logprobs' k: also score token_ids[1:], each under the output at the position before
     # it, with its k best alternatives (see `StepOutput.prompt_scores`). None: no scores.
     prompt_logprobs: int | None = None
+    block_row: int = -1  # a decode's row in `StepInput.table_rows` (-1: none)
 
 
 @dataclass
@@ -70,6 +72,8 @@ class StepInput:
     # Prompt-logprob rows per LM-head call. NOTE: sent with the step rather than read from each
     # rank's module constant: every rank must make the same calls, since they gather vocab shards.
     logit_chunk_rows: int = PROMPT_LOGPROB_CHUNK_ROWS
+    # The block manager's tables as matrix rows; None on a tensor-parallel worker (not pickled).
+    table_rows: TableRows | None = None
 
     @classmethod
     def from_scheduler_output(cls, out: SchedulerOutput, prompt_logprobs: Collection[int] = ()) -> "StepInput":
@@ -78,15 +82,17 @@ class StepInput:
         all scored with their request's `params.prompt_logprobs` alternatives (see
         `ModelRunner.execute`)."""
         seqs = []
+        row_of = out.table_rows.row_of if out.table_rows is not None else {}
         for i, s in enumerate(out.scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
             ids = seq.tokens(start, start + s.num_tokens) if s.is_prefill else [seq.last_token_id]
             k = s.group.params.prompt_logprobs if s.is_prefill and i in prompt_logprobs else None
             # NOTE: the block table is the block manager's live list, not a copy: it is read
             # before the block manager changes again (pickled for tensor-parallel workers).
-            seqs.append(SeqInput(ids, start, s.block_table, s.is_prefill, k))
+            row = -1 if s.is_prefill else row_of.get(seq.seq_id, -1)
+            seqs.append(SeqInput(ids, start, s.block_table, s.is_prefill, k, row))
         return cls(seqs, list(out.blocks_to_swap_in), list(out.blocks_to_swap_out), list(out.blocks_to_copy),
-                   PROMPT_LOGPROB_CHUNK_ROWS)
+                   PROMPT_LOGPROB_CHUNK_ROWS, out.table_rows)
 
 
 @dataclass
@@ -211,7 +217,7 @@ class ModelRunner:
             last_rows.append(row0 + n - 1)
             if s.prompt_logprobs is not None:
                 extra_rows.extend(range(row0, row0 + n - 1))
-        meta = self.attn_backend.build_metadata(step.seqs)
+        meta = self.attn_backend.build_metadata(step.seqs, step.table_rows)
         dev = self.device
         return _tensor(ids, dev), _tensor(pos, dev), meta, _tensor(last_rows, dev), _tensor(extra_rows, dev)
 

@@ -208,6 +208,7 @@ class Scheduler:
                     self.events.record("cow", s.group.request_id, seq_index=s.seq.index, src=cow[0], dst=cow[1],
                                        logical_block=s.block_table.index(cow[1]))
         out.num_batched_tokens = self.config.max_num_batched_tokens - step.tokens
+        out.table_rows = self.block_manager.rows
         return out
 
     # ---------------------------------------------------------------- making room

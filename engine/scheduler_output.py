@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockTable, new_table
 from engine.sequence import Sequence, SequenceGroup
+from engine.table_rows import TableRows
 
 
 @dataclass(slots=True)
@@ -32,6 +33,8 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[str] = field(default_factory=list)  # request ids preempted (or parking a sample) this step
     num_batched_tokens: int = 0  # sum of num_tokens
+    # the block manager's device tables as matrix rows (read-only here, like `block_table`)
+    table_rows: TableRows | None = None
 
     @property
     def is_empty(self) -> bool:

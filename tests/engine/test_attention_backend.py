@@ -11,6 +11,7 @@ import torch
 
 from engine.attention_backend import TorchPagedBackend
 from engine.model_runner import SeqInput
+from engine.table_rows import TableRows
 
 BS = 4
 
@@ -41,3 +42,38 @@ def test_a_step_without_decodes_has_no_decode_tables():
     meta = TorchPagedBackend(BS, torch.device("cpu")).build_metadata([SeqInput([1, 2], 0, array("i", [4]), True)])
     assert meta.decode_block_tables is None and meta.max_decode_context_len == 0
     assert meta.slot_mapping.tolist() == [16, 17]
+
+
+class _NoCopy:
+    """A block table that fails when its blocks are read in bulk (iterated or sliced): the
+    decode path over `TableRows` must select the matrix's rows, not copy the tables."""
+
+    def __init__(self, ids):
+        self._ids = list(ids)
+
+    def __len__(self):
+        return len(self._ids)
+
+    def __getitem__(self, i):
+        assert isinstance(i, int), "a decode's table was sliced"
+        return self._ids[i]
+
+    def __iter__(self):
+        raise AssertionError("a decode's table was iterated")
+
+
+def test_decode_tables_come_from_the_table_rows_matrix():
+    rows = TableRows(num_rows=2, width=2)  # small: the tables below make it grow in both ways
+    tables = {1: [2, 0, 7], 2: [6], 3: [11, 12]}
+    for seq_id, ids in tables.items():
+        rows.assign(seq_id, array("i", ids))
+    seqs = [SeqInput([4], 9, _NoCopy(tables[1]), False, None, rows.row_of[1]),
+            SeqInput([4], 2, _NoCopy(tables[2]), False, None, rows.row_of[2]),
+            SeqInput([4], 4, _NoCopy(tables[3]), False, None, rows.row_of[3])]
+    meta = TorchPagedBackend(BS, torch.device("cpu")).build_metadata(seqs, rows)
+    assert meta.decode_block_tables.dtype == torch.int32
+    assert meta.decode_block_tables.tolist() == [[2, 0, 7], [6, 0, 0], [11, 12, 0]]
+    assert meta.slot_mapping.tolist() == [7 * BS + 1, 6 * BS + 2, 12 * BS + 0]
+    rows.release(2, 1)  # its row is zeroed and reused
+    rows.assign(4, array("i", [5]))
+    assert rows.row(4).tolist()[:3] == [5, 0, 0]
