@@ -10,7 +10,15 @@ sequence, and the overhead's p10 (the host work with the least interference). Qu
 a ratio against a run of the same script on the same machine (another commit, or before a
 change), never as an absolute figure.
 
+`--evict-mb N` writes N MiB after every forward pass (counted as forward), so that every case's
+host work starts from the same cold caches. NOTE: on a CPU the forward pass itself evicts the
+host's working set (the sequences, tables and dicts a step walks), and its KV reads grow with
+the context: without eviction, a longer context makes the same host work slower (cache misses,
+not more work). On a GPU the forward pass leaves the host's caches alone. With 1024 the
+comparison across contexts is of the work alone.
+
     OMP_NUM_THREADS=1 python -m benchmarks.step_overhead --batch 1 64 256 --context 512 2048
+    OMP_NUM_THREADS=1 python -m benchmarks.step_overhead --batch 64 256 --evict-mb 1024
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
@@ -40,7 +50,7 @@ def tiny_config(max_len: int) -> str:
     return str(path)
 
 
-def measure(batch: int, context: int, steps: int, sampling: str, seed: int = 0) -> dict:
+def measure(batch: int, context: int, steps: int, sampling: str, seed: int = 0, evict_mb: int = 0) -> dict:
     budget = max(8192, batch)
     # NOTE: every request keeps decoding until the measured steps are done: the first ones start
     # while the last ones are still being prefilled (budget tokens a step).
@@ -64,11 +74,15 @@ def measure(batch: int, context: int, steps: int, sampling: str, seed: int = 0) 
     prepare = runner._prepare
     spent: list[float] = []
     prepared: list[float] = []
+    evict = torch.zeros(evict_mb * 2**18) if evict_mb else None  # float32: 4 bytes each
 
     def timed(step_input):
         t0 = time.perf_counter()
         try:
-            return execute(step_input)
+            out = execute(step_input)
+            if evict is not None:
+                evict.add_(1.0)
+            return out
         finally:
             spent.append(time.perf_counter() - t0)
 
@@ -112,6 +126,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--sampling", nargs="+", default=["top_p", "greedy"], choices=["top_p", "greedy"])
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--evict-mb", type=int, default=0, help="MiB written after every forward pass (see above)")
     args = ap.parse_args()
     print("| sampling | context | batch | step (ms) | forward (ms) | host overhead (ms) | of which input prep (ms) "
           "| per sequence (us) | overhead p10 (ms) | p10 per sequence (us) |")
@@ -119,7 +134,7 @@ def main() -> None:
     for sampling in args.sampling:
         for context in args.context:
             for batch in args.batch:
-                r = measure(batch, context, args.steps, sampling)
+                r = measure(batch, context, args.steps, sampling, evict_mb=args.evict_mb)
                 print(f"| {sampling} | {context} | {batch} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | "
                       f"{r['overhead_ms']:.2f} | {r['prepare_ms']:.2f} | {r['overhead_us_per_seq']:.0f} | "
                       f"{r['overhead_p10_ms']:.2f} | {r['overhead_p10_us_per_seq']:.0f} |", flush=True)
