@@ -12,6 +12,7 @@ About 10 minutes on 2 cores.
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -26,10 +27,36 @@ def cache_dir(version: str = SDIST_VERSION) -> Path:
     return root / "llama.cpp" / version
 
 
+def cmake_flags(machine: str | None = None) -> list[str]:
+    """The configure flags of our build on this (or the given) machine architecture."""
+    # NOTE: GGML_NATIVE builds for this CPU, as our own ops are (-march=native); OpenMP on,
+    # as llama.cpp's release builds have it.
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF"]
+    if (machine or platform.machine()).lower() in ("x86_64", "amd64"):
+        # NOTE: without llama.cpp's AMX kernels (an explicit -mno-amx-int8 outlasts -march=native):
+        # on Sapphire Rapids hosts llama-server segfaults in ggml_backend_amx_mul_mat at its first
+        # forward pass (ggml-org/llama.cpp#20824, open; seen here with the default Q4_1 GGUF).
+        # It keeps AVX-512 and VNNI there; on CPUs without AMX the flag changes nothing.
+        flags += ["-DCMAKE_C_FLAGS=-mno-amx-int8", "-DCMAKE_CXX_FLAGS=-mno-amx-int8"]
+    return flags
+
+
+def _stamp(build: Path) -> Path:
+    return build / "paged-serve-cmake-flags.txt"
+
+
+def _configured_as_today(build: Path) -> bool:
+    stamp = _stamp(build)
+    return stamp.is_file() and stamp.read_text() == " ".join(cmake_flags())
+
+
 def find_llama_server(explicit: str | None = None) -> Path | None:
-    """`explicit`, $LLAMA_SERVER, a `llama-server` on PATH, or our cached build; None if none."""
-    for candidate in (explicit, os.environ.get("LLAMA_SERVER"), shutil.which("llama-server"),
-                      cache_dir() / "build" / "bin" / "llama-server"):
+    """`explicit`, $LLAMA_SERVER, a `llama-server` on PATH, or our cached build (only if it was
+    configured with today's `cmake_flags`); None if none."""
+    build = cache_dir() / "build"
+    cached = build / "bin" / "llama-server" if _configured_as_today(build) else None
+    for candidate in (explicit, os.environ.get("LLAMA_SERVER"), shutil.which("llama-server"), cached):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return Path(candidate)
     return None
@@ -48,16 +75,15 @@ def build_llama_server(version: str = SDIST_VERSION, jobs: int | None = None) ->
         with tarfile.open(sdist) as tar:
             tar.extractall(base, filter="data")
     build = base / "build"
-    # NOTE: GGML_NATIVE builds for this CPU, as our own ops are (-march=native); OpenMP on,
-    # as llama.cpp's release builds have it.
-    _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-          "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-          "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF"]
+    if build.is_dir() and not _configured_as_today(build):
+        shutil.rmtree(build)  # configured with other flags (CMake keeps a cache's old values)
+    _run(["cmake", "-S", str(source), "-B", str(build)] + cmake_flags()
          + (["-G", "Ninja"] if shutil.which("ninja") else []))
     _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 2)])
     binary = build / "bin" / "llama-server"
     if not binary.is_file():
         raise SystemExit(f"the build finished but {binary} is missing")
+    _stamp(build).write_text(" ".join(cmake_flags()))
     return binary
 
 

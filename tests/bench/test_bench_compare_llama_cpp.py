@@ -8,7 +8,7 @@ import random
 import stat
 
 from benchmarks.compare_llama_cpp import OUTPUT_BUCKETS, PROMPT_BUCKETS, draw, make_workload
-from benchmarks.llama_cpp_build import find_llama_server
+from benchmarks.llama_cpp_build import cache_dir, cmake_flags, find_llama_server
 
 
 def test_lengths_follow_the_buckets():
@@ -41,3 +41,25 @@ def test_an_explicit_binary_comes_first(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMA_SERVER", str(binary))
     assert find_llama_server() == binary
     assert os.access(binary, os.X_OK)
+
+
+def test_the_build_leaves_out_amx_on_x86_only():
+    assert "-DCMAKE_CXX_FLAGS=-mno-amx-int8" in cmake_flags("x86_64")
+    assert not any("amx" in f for f in cmake_flags("aarch64"))
+    assert "-DLLAMA_CURL=OFF" in cmake_flags("aarch64")
+
+
+def test_a_cached_build_with_other_flags_is_not_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGED_SERVE_CACHE", str(tmp_path))
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    build = cache_dir() / "build"
+    binary = build / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    assert find_llama_server() is None  # no stamp: built before the flags were recorded
+    (build / "paged-serve-cmake-flags.txt").write_text("-DGGML_NATIVE=ON")
+    assert find_llama_server() is None
+    (build / "paged-serve-cmake-flags.txt").write_text(" ".join(cmake_flags()))
+    assert find_llama_server() == binary
