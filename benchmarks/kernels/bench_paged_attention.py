@@ -8,7 +8,13 @@ CUDA (--device cuda): batch 64 x context 4096, bf16, head size 128, 32 query / 8
 block 16; K/V bandwidth of the CUDA kernel (target >= 3.6 TB/s on an H200, 75% of peak) and
 its speed against torch SDPA over the same K/V laid out contiguously (target: not slower).
 
+CPU read rate (--bandwidth): K/V bytes per second at head sizes 32, 64 and 128 (the shapes of
+the performance issue), fp32 and bf16, as a share of a plain `sum()` over 512 MiB measured in the
+same rounds (the machine's read rate right then: on a shared VM it moves 20% from minute to
+minute). Rounds interleave every shape and the sum(); the figures are medians over rounds.
+
     python benchmarks/kernels/bench_paged_attention.py [--device cpu|cuda] [--iters N]
+    python benchmarks/kernels/bench_paged_attention.py --bandwidth [--rounds 5]
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class Shape:
 
 
 CPU_SHAPE = Shape(32, 1024, 9, 3, 64, 16, torch.float32)
+BANDWIDTH_SHAPES = [Shape(b, ctx, h, kv, d, 16, dtype) for dtype in (torch.float32, torch.bfloat16)
+                    for b, ctx, h, kv, d in ((64, 512, 8, 4, 32), (32, 1024, 9, 3, 64), (16, 1024, 32, 8, 128))]
 CUDA_SHAPE = Shape(64, 4096, 32, 8, 128, 16, torch.bfloat16)
 
 
@@ -119,6 +127,38 @@ def bench_cpu(iters: int) -> bool:
     return ratio >= 3
 
 
+def read_rates(shapes: list[Shape], rounds: int, iters: int, sum_mib: int = 512) -> list[dict]:
+    """Per shape: median ms, GB/s and % of sum()'s rate over `rounds` interleaved rounds."""
+    big = torch.randn(sum_mib * 2**18)
+    inputs = []
+    for s in shapes:
+        query, key_cache, value_cache, tables, lens = make_inputs(s, "cpu")
+        inputs.append((torch.empty_like(query), query, key_cache, value_cache, tables, lens, s.head_size**-0.5,
+                       s.context_len))
+    ms: list[list[float]] = [[] for _ in shapes]
+    shares: list[list[float]] = [[] for _ in shapes]
+    for _ in range(rounds):
+        sum_rate = big.numel() * 4 / median_ms(big.sum, max(3, iters // 3)) / 1e6  # GB/s
+        for i, (s, args) in enumerate(zip(shapes, inputs)):
+            t = median_ms(lambda: ops.paged_attention(*args), iters)
+            ms[i].append(t)
+            shares[i].append(100 * s.kv_bytes() / t / 1e6 / sum_rate)
+    return [{"shape": s, "ms": statistics.median(m), "gbps": s.kv_bytes() / statistics.median(m) / 1e6,
+             "pct_of_sum": statistics.median(p)} for s, m, p in zip(shapes, ms, shares)]
+
+
+def bench_bandwidth(rounds: int, iters: int) -> bool:
+    print(f"CPU paged_attention read rate, {torch.get_num_threads()} threads, random block tables, block 16 "
+          f"({rounds} rounds, medians)")
+    rows = read_rates(BANDWIDTH_SHAPES, rounds, iters)
+    for r in rows:
+        s = r["shape"]
+        print(f"  head {s.head_size:3d} ({s.num_heads}/{s.num_kv_heads} heads, b{s.batch} x {s.context_len}) "
+              f"{str(s.dtype).removeprefix('torch.'):8s} {r['ms']:7.2f} ms {r['gbps']:6.1f} GB/s "
+              f"{r['pct_of_sum']:5.0f}% of sum()")
+    return all(r["pct_of_sum"] >= 70 for r in rows)
+
+
 def bench_cuda(iters: int) -> bool:
     s = CUDA_SHAPE
     query, key_cache, value_cache, tables, lens = make_inputs(s, "cuda")
@@ -152,6 +192,8 @@ def main() -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--iters", type=int, default=None, help="timed runs (default 15 CPU, 50 CUDA)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--bandwidth", action="store_true", help="CPU read rate at heads 32/64/128 (see above)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds for --bandwidth")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.device == "cuda":
@@ -159,6 +201,8 @@ def main() -> int:
             print("no CUDA device", file=sys.stderr)
             return 2
         ok = bench_cuda(args.iters or 50)
+    elif args.bandwidth:
+        ok = bench_bandwidth(args.rounds, args.iters or 15)
     else:
         ok = bench_cpu(args.iters or 15)
     return 0 if ok or not args.check else 1
