@@ -13,7 +13,8 @@ blocks it has registered (`num_registered_blocks`): per step the work is for the
 only, whatever the sequence's length. `num_hashes` counts the hashes computed (tests count it).
 
 The device tables are mirrored in `rows` (engine/table_rows.py), the matrix the attention
-metadata selects the decodes' tables from; every change to `tables` goes through here.
+metadata selects the decodes' tables from: tables enter and leave through `_put_table` and
+`_pop_table`, and their entries change only in `append_slot`.
 """
 
 from __future__ import annotations
@@ -215,8 +216,7 @@ class BlockManager:
             seq.num_computed_tokens = len(table) * bs
             while len(table) < self.num_blocks_for(self._tokens_to_allocate(seq)):
                 table.append(pool.allocate().block_id)
-            self.tables[seq.seq_id] = table
-            self.rows.assign(seq.seq_id, table)
+            self._put_table(self.tables, seq.seq_id, table)
             if idx == 0:
                 first = table
             if register:
@@ -294,15 +294,13 @@ class BlockManager:
         table = self.tables[parent.seq_id]
         for i in table:
             self.device.ref(self.device.blocks[i])
-        self.tables[child.seq_id] = table[:]
-        self.rows.assign(child.seq_id, table)
+        self._put_table(self.tables, child.seq_id, table[:])
         child.num_registered_blocks = parent.num_registered_blocks
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references, device or swap pool; a no-op if it holds none."""
-        self.rows.release(seq.seq_id, len(self.tables.get(seq.seq_id, ())))
         for pool, tables in ((self.device, self.tables), (self.cpu, self.cpu_tables)):
-            for i in reversed(tables.pop(seq.seq_id, ())):
+            for i in reversed(self._pop_table(tables, seq.seq_id)):
                 pool.release(pool.blocks[i])
         seq.num_registered_blocks = 0
 
@@ -344,20 +342,30 @@ class BlockManager:
         mapping: dict[int, Block] = {}
         for seq in group.seqs_with_status(status):
             moved = new_table()
-            if src_tables is self.tables:
-                self.rows.release(seq.seq_id, len(self.tables[seq.seq_id]))
-            for i in src_tables.pop(seq.seq_id):
+            for i in self._pop_table(src_tables, seq.seq_id):
                 if i in mapping:
                     dst_pool.ref(mapping[i])
                 else:
                     mapping[i] = dst_pool.allocate()
                 moved.append(mapping[i].block_id)
                 src_pool.release(src_pool.blocks[i])
-            dst_tables[seq.seq_id] = moved
-            if dst_tables is self.tables:
-                self.rows.assign(seq.seq_id, moved)
+            self._put_table(dst_tables, seq.seq_id, moved)
             seq.num_registered_blocks = 0  # blocks new to the pool carry no hash yet
         return [(src, dst.block_id) for src, dst in mapping.items()]
+
+    def _put_table(self, tables: dict[int, BlockTable], seq_id: int, table: BlockTable) -> None:
+        tables[seq_id] = table
+        if tables is self.tables:
+            self.rows.assign(seq_id, table)
+
+    def _pop_table(self, tables: dict[int, BlockTable], seq_id: int) -> BlockTable:
+        """The sequence's table, taken out of `tables` (empty if it has none there)."""
+        table = tables.pop(seq_id, None)
+        if table is None:
+            return new_table()
+        if tables is self.tables:
+            self.rows.release(seq_id, len(table))
+        return table
 
     # ---------------------------------------------------------------- checks and views
     def check_integrity(self) -> None:

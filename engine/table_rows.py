@@ -27,8 +27,8 @@ class TableRows:
         self.row_of: dict[int, int] = {}  # seq_id -> its row
         self._free = list(range(num_rows - 1, -1, -1))
 
-    def assign(self, seq_id: int, ids) -> None:
-        """Give `seq_id` (which has no row) a row holding `ids`."""
+    def assign(self, seq_id: int, ids: array) -> None:
+        """Give `seq_id` (which has no row) a row holding `ids` (an array('i'), as the tables are)."""
         assert seq_id not in self.row_of
         if not self._free:
             self._reshape(2 * self.num_rows, self.width)
@@ -38,7 +38,7 @@ class TableRows:
         if n > self.width:
             self._reshape(self.num_rows, _grown(self.width, n))
         start = row * self.width
-        self.data[start : start + n] = ids if isinstance(ids, array) else array("i", ids)
+        self.data[start : start + n] = ids
 
     def set(self, seq_id: int, i: int, block_id: int) -> None:
         """Entry `i` of `seq_id`'s row (an append when i is the table's old length)."""
