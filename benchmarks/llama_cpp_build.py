@@ -48,7 +48,11 @@ def _stamp(build: Path) -> Path:
 
 def _configured_as_today(build: Path) -> bool:
     stamp = _stamp(build)
-    return stamp.is_file() and stamp.read_text() == " ".join(cmake_flags())
+    return stamp.is_file() and stamp.read_text() == _stamp_text()
+
+
+def _stamp_text() -> str:
+    return " ".join(cmake_flags())
 
 
 def find_llama_server(explicit: str | None = None) -> Path | None:
@@ -83,7 +87,7 @@ def build_llama_server(version: str = SDIST_VERSION, jobs: int | None = None) ->
     binary = build / "bin" / "llama-server"
     if not binary.is_file():
         raise SystemExit(f"the build finished but {binary} is missing")
-    _stamp(build).write_text(" ".join(cmake_flags()))
+    _stamp(build).write_text(_stamp_text())
     return binary
 
 
