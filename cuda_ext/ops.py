@@ -38,6 +38,9 @@ __all__ = [
     "copy_blocks_table",
     "draw_tokens",
     "draw_tokens_compiled",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
     "gather_cached_kv",
     "paged_attention",
     "reshape_and_cache",
@@ -171,6 +174,56 @@ def draw_tokens(logits: Tensor, temperature: Tensor, top_p: Tensor, u: Tensor) -
     else:
         reference.draw_tokens(logits, temperature, top_p, u, tokens)
     return tokens
+
+
+_MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fused_here(compiled: bool, *tensors: Tensor) -> bool:
+    """Whether the model's elementwise ops run compiled for these tensors: asked for, CPU tensors
+    of a model dtype with a contiguous last dim, and the CPU kernels loaded."""
+    t = tensors[0]
+    return (compiled and t.device.type == "cpu" and t.dtype in _MODEL_DTYPES
+            and all(x.stride(-1) == 1 and x.dtype == t.dtype for x in tensors) and backend() == "cpu")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
+             compiled: bool = True) -> tuple[Tensor, Tensor]:
+    """(weight * RMS-normalised (x + residual), x + residual) for x [rows, dim], as
+    :func:`cuda_ext.reference.rms_norm`. With `residual`, the compiled path writes the sum into
+    `residual` and the output into `x` (both must be the caller's to overwrite), in one pass."""
+    if not (_fused_here(compiled, x, weight) and x.dim() == 2 and weight.is_contiguous()
+            and (residual is None or (residual.shape == x.shape and _fused_here(True, x, residual)))):
+        return reference.rms_norm(x, weight, eps, residual)
+    if residual is None:
+        out = torch.empty_like(x)
+        torch.ops.paged_serve.rms_norm(out, x, weight, float(eps))
+        return out, x
+    torch.ops.paged_serve.fused_add_rms_norm(x, residual, weight, float(eps))
+    return x, residual
+
+
+def rotary_embedding(positions: Tensor, query: Tensor, key: Tensor, cos: Tensor, sin: Tensor,
+                     compiled: bool = True) -> None:
+    """Rotate ``query`` [T, heads, d] and ``key`` [T, kv_heads, d] in place (views of one qkv
+    tensor will do) by rows ``positions`` of ``cos`` / ``sin`` [max_positions, d] (float32 or
+    the query's dtype), as
+    :func:`cuda_ext.reference.rotary_embedding`. A position outside the tables is a
+    RuntimeError on the compiled path (an IndexError in torch)."""
+    if (_fused_here(compiled, query, key) and query.dim() == 3 and cos.device.type == "cpu"
+            and cos.dtype in (torch.float32, query.dtype) and cos.is_contiguous() and sin.is_contiguous()):
+        torch.ops.paged_serve.rotary_embedding(positions.to(torch.int64), query, key, cos, sin)
+    else:
+        reference.rotary_embedding(positions, query, key, cos, sin)
+
+
+def silu_and_mul(x: Tensor, compiled: bool = True) -> Tensor:
+    """silu(x[:, :d]) * x[:, d:] for x [rows, 2d], as :func:`cuda_ext.reference.silu_and_mul`."""
+    if not (_fused_here(compiled, x) and x.dim() == 2):
+        return reference.silu_and_mul(x)
+    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
+    torch.ops.paged_serve.silu_and_mul(out, x)
+    return out
 
 
 @dataclass(frozen=True)

@@ -120,3 +120,37 @@ def draw_tokens(logits: Tensor, temperature: Tensor, top_p: Tensor, u: Tensor, t
     above = (e * (x > chosen)).sum(dim=-1)
     accepted = (top_p >= 1.0) | (above < top_p.double() * total)
     tokens.copy_(torch.where(alive & accepted, tok, -1))
+
+
+# The model's elementwise work (the compiled versions fuse each into one pass: cpu/fused.cpp).
+# These are what engine/models/layers.py always ran; the compiled ones match them to rounding.
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(weight * RMS-normalised (x + residual), x + residual); statistics in float32."""
+    if residual is not None:
+        x = x + residual
+    residual = x
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), residual
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_embedding(positions: Tensor, query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """Rotate ``query`` [T, heads, d] and ``key`` [T, kv_heads, d] in place by the rows
+    ``positions`` of ``cos`` / ``sin`` [max_positions, d] (NeoX / HF rotate-half layout)."""
+    c = cos[positions].unsqueeze(1).to(query.dtype)
+    s = sin[positions].unsqueeze(1).to(query.dtype)
+    query.copy_(query * c + rotate_half(query) * s)
+    key.copy_(key * c + rotate_half(key) * s)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """silu(x[..., :d]) * x[..., d:] for x [..., 2d]."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

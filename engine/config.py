@@ -45,6 +45,7 @@ class ModelConfig:
     served_model_name: str
     seed: int
     linear_kernel: str = "auto"  # engine/models/linear_kernel.py: auto | torch | onednn
+    fused_ops: bool = True  # the compiled one-pass RMSNorm / rotary / SiLU*up on CPU tensors
 
     @property
     def num_layers(self) -> int:
@@ -118,6 +119,7 @@ class EngineArgs:
     tokenizer: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA; on a CPU bf16 where native and faster, else float32
     linear_kernel: str = "auto"  # auto: the faster of torch / oneDNN here (engine/models/linear_kernel.py)
+    fused_ops: bool = True  # CPU: residual+RMSNorm, rotary, SiLU*up as compiled one-pass ops (False: torch's)
     device: str = "auto"
     load_format: str = "auto"
     max_model_len: int | None = None
@@ -205,6 +207,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or default_name,
             seed=self.seed,
             linear_kernel=self.linear_kernel,
+            fused_ops=self.fused_ops,
         )
         cache = CacheConfig(
             block_size=self.block_size,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cuda_ext import ops
 from engine import parallel
 from engine.attention_backend import TorchPagedBackend
 from engine.cache_engine import CacheEngine, num_blocks_from_budget
@@ -31,6 +32,7 @@ from engine.models.layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    use_fused_ops,
 )
 from engine.models.llama import model_class
 from engine.models.loader import load_weights
@@ -132,6 +134,9 @@ class ModelRunner:
         if self.linear_kernel == "onednn":
             linear_kernel.pack(self.model)
         logger.info("linear layers: %s (%s)", self.linear_kernel, why)
+        fused = model_config.fused_ops and device.type == "cpu" and ops.backend() == "cpu"
+        use_fused_ops(self.model, fused)
+        logger.info("elementwise layers (RMSNorm, rotary, SiLU x up): %s", "compiled one-pass ops" if fused else "torch")
         if linear_kernel.reduced_precision_is_slow(device, model_config.dtype):
             logger.warning(
                 "%s on a CPU without native %s matmuls (AVX512-BF16/FP16, AMX or AVX-NE-CONVERT): every product "

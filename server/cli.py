@@ -18,7 +18,7 @@ API_KEY_ENV = "PAGED_SERVE_API_KEY"
 
 # Flags that go to EngineArgs (dest name == EngineArgs field name).
 ENGINE_FLAGS = (
-    "model", "served_model_name", "tokenizer", "dtype", "linear_kernel", "device", "load_format", "max_model_len",
+    "model", "served_model_name", "tokenizer", "dtype", "linear_kernel", "fused_ops", "device", "load_format", "max_model_len",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "swap_space", "num_gpu_blocks_override",
     "enable_prefix_caching", "kv_allocation", "max_num_seqs", "max_num_batched_tokens", "preemption_mode",
     "max_preemptions_per_request", "enable_chunked_prefill", "seed", "tensor_parallel_size",
@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--linear-kernel", default="auto", choices=["auto", "torch", "onednn"],
                      help="CPU matmul kernel of the linear layers: torch's F.linear (MKL), oneDNN over "
                           "prepacked weights, or auto: whichever is faster on this CPU (timed at start-up, logged)")
+    eng.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
+                     help="on a CPU, residual add + RMSNorm, rotary embedding and SiLU x up as compiled one-pass "
+                          "ops (on by default; --no-fused-ops: torch's elementwise ops)")
     eng.add_argument("--device", default="auto")
     eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     eng.add_argument("--max-model-len", type=int, default=None)

@@ -46,6 +46,12 @@ TORCH_LIBRARY(paged_serve, m) {
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   // The sampler's fused draw (cpu/sampling.cpp); CPU only: the sampler uses it for CPU logits.
   m.def("draw_tokens(Tensor logits, Tensor temperature, Tensor top_p, Tensor u, Tensor(a!) tokens) -> ()");
+  // The model's elementwise work, one pass each (cpu/fused.cpp); CPU only: the layers use them
+  // for CPU tensors and keep their torch code elsewhere.
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   // The CUDA kernels' report of a bad device-resident index since the last call (a
   // cuda::ErrorCode, 0: none), reset; always 0 in a build without CUDA.
   m.def("take_device_error() -> int", &take_device_error_any);
@@ -57,6 +63,10 @@ TORCH_LIBRARY_IMPL(paged_serve, CPU, m) {
   m.impl("copy_blocks", &cpu::copy_blocks);
   m.impl("swap_blocks", &cpu::swap_blocks);
   m.impl("draw_tokens", &cpu::draw_tokens);
+  m.impl("rms_norm", &cpu::rms_norm);
+  m.impl("fused_add_rms_norm", &cpu::fused_add_rms_norm);
+  m.impl("rotary_embedding", &cpu::rotary_embedding);
+  m.impl("silu_and_mul", &cpu::silu_and_mul);
 }
 
 // The ops only write into tensors they are given, so their shape functions do nothing.
@@ -67,6 +77,10 @@ TORCH_LIBRARY_IMPL(paged_serve, Meta, m) {
   m.impl("copy_blocks", [](at::TensorList, at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&) {});
   m.impl("swap_blocks", [](const at::Tensor&, at::Tensor&, const at::Tensor&) {});
   m.impl("draw_tokens", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&) {});
+  m.impl("rms_norm", [](at::Tensor&, const at::Tensor&, const at::Tensor&, double) {});
+  m.impl("fused_add_rms_norm", [](at::Tensor&, at::Tensor&, const at::Tensor&, double) {});
+  m.impl("rotary_embedding", [](const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&) {});
+  m.impl("silu_and_mul", [](at::Tensor&, const at::Tensor&) {});
 }
 
 #ifdef PAGED_SERVE_WITH_CUDA

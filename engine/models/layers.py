@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cuda_ext import ops
 from engine import parallel
 
 
@@ -152,15 +153,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.fused = False  # the compiled one-pass op on CPU tensors (ModelRunner sets it)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Normalise x (after adding `residual` when given); returns (normed, new residual)."""
-        if residual is not None:
-            x = x + residual
-        residual = x
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype), residual
+        """Normalise x (after adding `residual` when given); returns (normed, new residual).
+        NOTE: fused, x and residual are overwritten with the result and the sum: the callers pass
+        tensors nothing else reads (a layer's fresh output, the running residual)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual, compiled=self.fused)
 
 
 class RotaryEmbedding(nn.Module):
@@ -176,17 +175,11 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.fused = False
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, heads, d], k: [T, kv_heads, d] -> rotated copies."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotates q: [T, heads, d] and k: [T, kv_heads, d] in place (views of the qkv output)."""
+        ops.rotary_embedding(positions, q, k, self.cos, self.sin, compiled=self.fused)
 
 
 def _rope_inv_freq(hf_config, head_size: int) -> tuple[torch.Tensor, float]:
@@ -203,6 +196,21 @@ def _rope_inv_freq(hf_config, head_size: int) -> tuple[torch.Tensor, float]:
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fused = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return ops.silu_and_mul(x, compiled=self.fused)
+
+
+FUSED_MODULES = (RMSNorm, RotaryEmbedding, SiluAndMul)
+
+
+def use_fused_ops(model: nn.Module, enabled: bool) -> int:
+    """Switch the model's elementwise layers to the compiled one-pass ops (cuda_ext/csrc/cpu/
+    fused.cpp; they apply to CPU tensors only) or back to torch; returns how many layers."""
+    layers = [m for m in model.modules() if isinstance(m, FUSED_MODULES)]
+    for m in layers:
+        m.fused = enabled
+    return len(layers)

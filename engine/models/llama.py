@@ -41,10 +41,10 @@ class LlamaAttention(nn.Module):
         T = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q, k = self.rotary(
-            positions, q.reshape(T, self.num_heads, self.head_size), k.reshape(T, self.num_kv_heads, self.head_size)
-        )
-        o = self.attn(q.reshape(T, q_size), k.reshape(T, kv_size), v.contiguous(), meta, kv_cache)
+        # NOTE: q, k and v stay views of the qkv output (row stride q_size + 2 kv_size); the
+        # rotation writes into it, and the attention backend reads strided rows.
+        self.rotary(positions, q.view(T, self.num_heads, self.head_size), k.view(T, self.num_kv_heads, self.head_size))
+        o = self.attn(q, k, v, meta, kv_cache)
         return self.o_proj(o)
 
 

@@ -13,14 +13,17 @@ import pytest
 import torch
 
 from engine.models import linear_kernel
+from engine.models.layers import FUSED_MODULES
 from engine.sampling_params import SamplingParams
 
 NEAR_TIE = 1e-4
-# NOTE: CI runs each block size once (alone: 16; batched: 1 and 32) and each linear kernel once
-# (alone: the auto choice; batched: torch's F.linear and oneDNN); the rest run with -m slow.
+# NOTE: CI runs each block size once (alone: 16; batched: 1 and 32), each linear kernel once
+# (alone: the auto choice; batched: torch's F.linear and oneDNN) and both elementwise paths
+# (the compiled fused ops everywhere but the batched torch-kernel run, which takes torch's ops:
+# --no-fused-ops); the rest run with -m slow.
 SLOW = pytest.mark.slow
 ALONE = [pytest.param(1, marks=SLOW), 16, pytest.param(32, marks=SLOW)]
-BATCHED = [(1, "torch"), pytest.param(16, "auto", marks=SLOW), (32, "onednn")]
+BATCHED = [(1, "torch", False), pytest.param(16, "auto", True, marks=SLOW), (32, "onednn", True)]
 
 
 def assert_matches(ours: list[int], ref_tokens: list[int], ref_top2, label: str, near_tie: float = NEAR_TIE) -> None:
@@ -48,12 +51,14 @@ def test_each_prompt_alone(make_llm, hf_cases, hf_reference, block_size):
         assert_matches(out.outputs[0].token_ids, ref, top2, f"prompt {k} ({len(ids)} tokens) alone")
 
 
-@pytest.mark.parametrize(("block_size", "kernel"), BATCHED)
-def test_batched_staggered_arrival(make_llm, hf_cases, hf_reference, block_size, kernel):
+@pytest.mark.parametrize(("block_size", "kernel", "fused"), BATCHED)
+def test_batched_staggered_arrival(make_llm, hf_cases, hf_reference, block_size, kernel, fused):
     """Prompts join a running batch two at a time, every third step."""
     if kernel == "onednn" and not linear_kernel.onednn_supported(torch.device("cpu"), torch.float32):
         pytest.skip("this torch build has no oneDNN")
-    engine = make_llm(block_size=block_size, linear_kernel=kernel).engine
+    engine = make_llm(block_size=block_size, linear_kernel=kernel, fused_ops=fused).engine
+    flags = {m.fused for m in engine.executor.runner.model.modules() if isinstance(m, FUSED_MODULES)}
+    assert flags == {fused}, f"elementwise layers fused: {flags}, asked for {fused}"
     pending = list(enumerate(hf_cases))
     done = {}
     steps = 0
@@ -69,7 +74,8 @@ def test_batched_staggered_arrival(make_llm, hf_cases, hf_reference, block_size,
         engine.block_manager.check_integrity()
     for k, ((ids, _), (ref, top2)) in enumerate(zip(hf_cases, hf_reference)):
         ours = done[f"case-{k}"].outputs[0].token_ids
-        assert_matches(ours, ref, top2, f"prompt {k} ({len(ids)} tokens) batched, block {block_size}, {kernel}")
+        assert_matches(ours, ref, top2,
+                       f"prompt {k} ({len(ids)} tokens) batched, block {block_size}, {kernel}, fused {fused}")
 
 
 def test_chat_template_answers_paris(make_llm):

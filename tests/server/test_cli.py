@@ -85,3 +85,10 @@ def test_chunked_prefill_is_on_by_default_and_the_flag_turns_it_off():
     # never below max_num_seqs: every running sequence decodes each step
     many = parse_args(["--max-model-len", "2048", "--max-num-seqs", "300"]).engine_args
     assert many.create_engine_config().scheduler.max_num_batched_tokens == 300
+
+
+def test_fused_ops_are_on_by_default_and_the_flag_turns_them_off():
+    assert parse_args([]).engine_args.fused_ops is True
+    off = parse_args(["--no-fused-ops"]).engine_args
+    assert off.fused_ops is False
+    assert off.create_engine_config().model.fused_ops is False

@@ -25,4 +25,11 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
 void draw_tokens(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_p,
                  const at::Tensor& u, at::Tensor& tokens);
 
+// The model's elementwise work in one pass each (fused.cpp); CPU only.
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cos,
+                      const at::Tensor& sin);
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+
 }  // namespace paged_serve::cpu
