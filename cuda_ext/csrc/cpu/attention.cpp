@@ -9,6 +9,7 @@
 #include "cpu_ops.h"
 
 #include "../checks.h"
+#include "exp_poly.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -71,30 +72,10 @@ inline void prefetch_row(const T* row, int row_len) {
   for (int b = 0; b < row_len * static_cast<int>(sizeof(T)); b += kLine) prefetch_line(p + b);
 }
 
-// exp(x) for x <= 0 (logits less their maximum), in a form the compiler vectorises (std::exp is
-// a libm call per element: with 2 query heads per KV head and head 32, the softmax's exps took
-// as long as reading the K/V rows). Cephes' expf: x = n ln2 + f with |f| <= ln2/2 (ln2 in two
-// parts), a degree-6 polynomial for e^f, then 2^n added to the exponent bits. Relative error
-// ~1e-7 (fp32 rounding); below -87 (e^x under FLT_MIN) it returns e^-87, which the softmax
-// sum makes 0 in effect.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float f = x - n * 0.693359375f;
-  f = f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
-  float y = p * f * f + f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &y, sizeof bits);
-  bits += static_cast<int32_t>(n) << 23;
-  std::memcpy(&y, &bits, sizeof bits);
-  return y;
-}
+// exp(x) for x <= 0 (logits less their maximum), vectorised (exp_poly.h): with 2 query heads
+// per KV head and head 32, libm's exps took as long as reading the K/V rows. Below -87 (e^x
+// under FLT_MIN) it returns e^-87, which the softmax sum makes 0 in effect.
+inline float exp_nonpositive(float x) { return exp_poly(std::max(x, -87.0f)); }
 
 template <int N>
 inline float dot(const float* a, const float* b, int n) {

@@ -15,6 +15,7 @@
 // rounding of the sums; float32 ones to a few ulp (summation order, FMA contraction).
 
 #include "cpu_ops.h"
+#include "exp_poly.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -44,28 +45,10 @@ inline float as_dtype(float v) {
   }
 }
 
-// e^x over the whole float range, in a form the compiler vectorises (std::exp does not):
-// Cephes' expf (x = n ln2 + f, |f| <= ln2/2, a degree-6 polynomial, 2^n into the exponent
-// bits), x clamped to [-87, 88] (the results there are below FLT_MIN or near FLT_MAX; SiLU
-// only divides by 1 + e^x, so the clamp moves nothing it returns by more than ~1e-37).
-inline float exp_clamped(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float f = x - n * 0.693359375f;
-  f = f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
-  float y = p * f * f + f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &y, sizeof bits);
-  bits += static_cast<int32_t>(n) << 23;
-  std::memcpy(&y, &bits, sizeof bits);
-  return y;
-}
+// e^x over the whole float range, vectorised (exp_poly.h), x clamped to [-87, 88] (the results
+// there are below FLT_MIN or near FLT_MAX; SiLU only divides by 1 + e^x, so the clamp moves
+// nothing it returns by more than ~1e-37).
+inline float exp_clamped(float x) { return exp_poly(std::min(std::max(x, -87.0f), 88.0f)); }
 
 bool is_model_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 

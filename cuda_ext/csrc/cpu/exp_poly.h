@@ -1,0 +1,32 @@
+// e^x in a form the compiler vectorises (std::exp is a libm call per element and does not
+// vectorise without -ffast-math), shared by the CPU kernels that need many exps.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace paged_serve::cpu {
+
+// Cephes' expf: x = n ln2 + f with |f| <= ln2/2 (ln2 in two parts), a degree-6 polynomial for
+// e^f, then 2^n added to the exponent bits. Relative error ~1e-7 (fp32 rounding). The caller
+// keeps x within [-87, 88], where 2^n is a normal float.
+inline float exp_poly(float x) {
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float f = x - n * 0.693359375f;
+  f = f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  float y = p * f * f + f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &y, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&y, &bits, sizeof bits);
+  return y;
+}
+
+}  // namespace paged_serve::cpu
