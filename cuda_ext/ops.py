@@ -38,12 +38,12 @@ __all__ = [
     "copy_blocks_table",
     "draw_tokens",
     "draw_tokens_compiled",
-    "rms_norm",
-    "rotary_embedding",
-    "silu_and_mul",
     "gather_cached_kv",
     "paged_attention",
     "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
     "swap_blocks",
 ]
 
@@ -192,8 +192,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     """(weight * RMS-normalised (x + residual), x + residual) for x [rows, dim], as
     :func:`cuda_ext.reference.rms_norm`. With `residual`, the compiled path writes the sum into
     `residual` and the output into `x` (both must be the caller's to overwrite), in one pass."""
-    if not (_fused_here(compiled, x, weight) and x.dim() == 2 and weight.is_contiguous()
-            and (residual is None or (residual.shape == x.shape and _fused_here(True, x, residual)))):
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if not (_fused_here(compiled, *tensors) and x.dim() == 2 and weight.is_contiguous()
+            and (residual is None or residual.shape == x.shape)):
         return reference.rms_norm(x, weight, eps, residual)
     if residual is None:
         out = torch.empty_like(x)

@@ -207,10 +207,9 @@ class SiluAndMul(nn.Module):
 FUSED_MODULES = (RMSNorm, RotaryEmbedding, SiluAndMul)
 
 
-def use_fused_ops(model: nn.Module, enabled: bool) -> int:
+def use_fused_ops(model: nn.Module, enabled: bool) -> None:
     """Switch the model's elementwise layers to the compiled one-pass ops (cuda_ext/csrc/cpu/
-    fused.cpp; they apply to CPU tensors only) or back to torch; returns how many layers."""
-    layers = [m for m in model.modules() if isinstance(m, FUSED_MODULES)]
-    for m in layers:
-        m.fused = enabled
-    return len(layers)
+    fused.cpp; they apply to CPU tensors only) or back to torch."""
+    for m in model.modules():
+        if isinstance(m, FUSED_MODULES):
+            m.fused = enabled

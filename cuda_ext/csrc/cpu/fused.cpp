@@ -65,6 +65,17 @@ void check_weight(const at::Tensor& w, int64_t dim, at::ScalarType dtype, const 
               w.scalar_type());
 }
 
+// The norms' arguments: x and `other` (out, or the residual) [rows, dim] of one model dtype,
+// weight [dim] of that dtype.
+void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& other, const char* other_name,
+                     const at::Tensor& weight) {
+  check_rows(x, op, "x", x.scalar_type());
+  check_rows(other, op, other_name, x.scalar_type());
+  TORCH_CHECK(other.sizes() == x.sizes(), op, ": ", other_name, " ", other.sizes(), " must have x's shape ",
+              x.sizes());
+  check_weight(weight, x.size(1), x.scalar_type(), op);
+}
+
 // One row: sum = x (+ residual, stored back), out = weight * (sum * rsqrt(mean(sum^2) + eps)).
 template <typename T>
 void norm_row(T* out, const T* x, T* residual, const T* w, int64_t dim, float eps) {
@@ -170,11 +181,7 @@ void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t 
 }  // namespace
 
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  constexpr const char* op = "rms_norm";
-  check_rows(x, op, "x", x.scalar_type());
-  check_rows(out, op, "out", x.scalar_type());
-  TORCH_CHECK(out.sizes() == x.sizes(), op, ": out ", out.sizes(), " must have x's shape ", x.sizes());
-  check_weight(weight, x.size(1), x.scalar_type(), op);
+  check_norm_args("rms_norm", x, out, "out", weight);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_cpu", [&] {
     norm_rows<scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), x.const_data_ptr<scalar_t>(), x.stride(0), nullptr,
                         0, weight.const_data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
@@ -182,11 +189,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
 }
 
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  constexpr const char* op = "fused_add_rms_norm";
-  check_rows(x, op, "x", x.scalar_type());
-  check_rows(residual, op, "residual", x.scalar_type());
-  TORCH_CHECK(residual.sizes() == x.sizes(), op, ": residual ", residual.sizes(), " must have x's shape ", x.sizes());
-  check_weight(weight, x.size(1), x.scalar_type(), op);
+  check_norm_args("fused_add_rms_norm", x, residual, "residual", weight);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fused_add_rms_norm_cpu", [&] {
     // NOTE: row by row, each row's sum is complete (and stored) before its output overwrites x.
     norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.const_data_ptr<scalar_t>(), x.stride(0),
