@@ -158,6 +158,7 @@ class LLMEngine:
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, let the scheduler update its books, report."""
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         # NOTE: with work pending, an empty step means nothing could run (the async loop backs
         # off and its watchdog counts no progress).
@@ -176,6 +177,7 @@ class LLMEngine:
         forks: list[tuple[Sequence, Sequence]] = []
         dropped: list[Sequence] = []
         self._process_samples(sched, step_output.logits, now, forks, dropped)
+        work = _step_work(sched) if self.scheduler.step_cost is not None else None
         self.scheduler.update_from_output(sched, forks, dropped)
         # A request whose only work this step was a prefill chunk short of its prompt's end has
         # nothing new to report.
@@ -193,6 +195,8 @@ class LLMEngine:
                     self.requests.pop(group.request_id, None)
                     self.stats.finish(group, now)
         self.last_stats = self.stats.snapshot(sched)
+        if work is not None:
+            self.scheduler.step_cost.observe(*work, time.perf_counter() - started)
         return outputs
 
     def _process_samples(self, sched: SchedulerOutput, logits: torch.Tensor, now: float,
@@ -351,3 +355,16 @@ class LLMEngine:
 
     def request_blocks(self, request_id: str) -> dict | None:
         return kv_view.request_tables(self.scheduler, request_id)
+
+
+def _step_work(sched: SchedulerOutput) -> tuple[int, int, int]:
+    """(decode rows, prefill tokens, context tokens attended) of a step, before the scheduler
+    advances its sequences: what `StepCost` is fitted to."""
+    decodes = prefill = context = 0
+    for s in sched.scheduled:
+        if s.is_prefill:
+            prefill += s.num_tokens
+        else:
+            decodes += 1
+        context += s.seq.num_computed_tokens + s.num_tokens
+    return decodes, prefill, context

@@ -50,11 +50,15 @@ budget allows (`StepPlan._chunk_size`); it samples only at the chunk that comput
 (every prompt row is scored in one step): it is prefilled whole once it fits the budget, or as
 the oldest request even past the budget (that step runs nothing else). Recomputed beams prefill
 up to their last token, then decode together, so that every beam samples in the same step.
+
+Step-time target (`target_itl_ms`): other requests' chunks are cut so that a step with decodes
+stays within a time, unless they have waited long (engine/step_cost.py says how and why).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from itertools import chain
@@ -64,7 +68,8 @@ from engine.config import SchedulerConfig
 from engine.kv_view import KvEventLog
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.step_plan import StepPlan, all_at_once, has_waiting, logprobs_pending
+from engine.step_cost import StepCost
+from engine.step_plan import PrefillCap, StepPlan, all_at_once, has_waiting, logprobs_pending
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
 
@@ -76,9 +81,12 @@ _SWAPPED = SequenceStatus.SWAPPED
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock=time.monotonic):
         self.config = config
         self.block_manager = block_manager
+        self.clock = clock  # the requests' arrival_time clock (the step-time target's waits)
+        # the engine feeds it each step's time (`LLMEngine.step`); None: no step-time target
+        self.step_cost: StepCost | None = PrefillCap.cost_for(config)
         self.waiting: deque[SequenceGroup] = deque()  # by priority
         self.running: list[SequenceGroup] = []  # by priority (oldest first)
         self.swapped: deque[SequenceGroup] = deque()  # by priority
@@ -169,7 +177,7 @@ class Scheduler:
     # ---------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
         step = StepPlan(SchedulerOutput(), self.config.max_num_batched_tokens, self.block_manager,
-                        self.config.enable_chunked_prefill)
+                        self.config.enable_chunked_prefill, PrefillCap.of(self))
         oldest = self.oldest()
         if oldest is not None and not self._lead_running(oldest) and not self._bring_in(oldest, step, preempt=True):
             logger.error("the oldest request %s cannot be brought in (not expected)", oldest.request_id)

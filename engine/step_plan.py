@@ -5,11 +5,22 @@ requests run is the scheduler's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from itertools import chain
+from typing import TYPE_CHECKING
 
 from engine.block_manager import AdmissionPlan, BlockManager
+from engine.config import SchedulerConfig
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.step_cost import StepCost
+
+if TYPE_CHECKING:
+    from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
@@ -32,12 +43,65 @@ def has_waiting(group: SequenceGroup) -> bool:
     return seqs[0].status == _WAITING if len(seqs) == 1 else any(s.status == _WAITING for s in seqs)
 
 
+@dataclass(frozen=True)
+class PrefillCap:
+    """The step-time target for this step (engine/step_cost.py): once
+    decodes run, the prefill chunks of requests that arrived less than `wait_s` ago are cut so
+    that the step's estimated time stays within `step_s`, with at least `floor` prefill tokens in
+    the step; unless the prefill backlog (`backlog`) is more than capped steps would clear within
+    `wait_s`."""
+    cost: StepCost
+    step_s: float
+    wait_s: float | None  # None: no request is exempt for its wait, no backlog lifts the cap
+    now: float  # the clock at this step (the requests' arrival_time's clock)
+    floor: int
+    backlog: Callable[[int], int]  # the prompt tokens still to prefill, counted up to a limit
+
+    @staticmethod
+    def cost_for(config: SchedulerConfig) -> StepCost | None:
+        """A fresh cost model when `config` sets a step-time target (logged), else None."""
+        if config.target_itl_ms is None or not config.enable_chunked_prefill:
+            return None
+        wait = f"{config.target_ttft_ms:g} ms" if config.target_ttft_ms is not None else "no time"
+        logger.info("step-time target: prefill chunks cut to keep a step with decodes within %g ms "
+                    "(requests waiting past %s exempt)", config.target_itl_ms, wait)
+        return StepCost()
+
+    @classmethod
+    def of(cls, sched: Scheduler) -> PrefillCap | None:
+        """The scheduler's cap for the step it is about to plan; None without a target."""
+        cfg, cost = sched.config, sched.step_cost
+        if cost is None or cfg.target_itl_ms is None:
+            return None
+        wait = cfg.target_ttft_ms / 1000.0 if cfg.target_ttft_ms is not None else None
+        return cls(cost, cfg.target_itl_ms / 1000.0, wait, sched.clock(), sched.block_manager.block_size,
+                   lambda limit: prefill_backlog(sched.running, sched.waiting, limit))
+
+
+def prefill_backlog(running: Iterable[SequenceGroup], waiting: Iterable[SequenceGroup], limit: int) -> int:
+    """The uncomputed tokens of the requests that have not sampled their first token (running
+    ones part way through their prompt, then waiting ones), counted until they pass `limit`
+    (NOTE: so the count stops after at most `limit` waiting requests, however long the queue)."""
+    total = 0
+    for group in chain(running, waiting):
+        seq = group.seqs[0]
+        if not seq.output_token_ids:
+            total += seq.num_uncomputed_tokens
+            if total > limit:
+                break
+    return total
+
+
 class StepPlan:
-    def __init__(self, out: SchedulerOutput, tokens: int, block_manager: BlockManager, chunked: bool) -> None:
+    def __init__(self, out: SchedulerOutput, tokens: int, block_manager: BlockManager, chunked: bool,
+                 cap: PrefillCap | None = None) -> None:
         self.out = out
         self.tokens = tokens  # what is left of max_num_batched_tokens
         self.block_manager = block_manager
         self.chunked = chunked  # enable_chunked_prefill
+        self.cap = cap
+        # the capped prefill tokens this step has left (None until a capped prefill asks)
+        self.prefill_left: int | None = None
         self.prefills: list[ScheduledSeq] = []
         self.decodes: list[ScheduledSeq] = []
         # seq id -> (what this step runs of it, the copy-on-write pair its slot took, if any)
@@ -57,7 +121,7 @@ class StepPlan:
         """Whether the step's token budget takes these waiting sequences' prefill: all of it
         without chunking, a first chunk with it."""
         if self.may_chunk(group):
-            return self.tokens >= 1
+            return self.prefill_budget(group) >= 1
         plan = seqs_or_plan if isinstance(seqs_or_plan, AdmissionPlan) else self.block_manager.plan(group, seqs_or_plan)
         return plan.num_new_tokens <= self.tokens
 
@@ -73,6 +137,7 @@ class StepPlan:
             scheduled, cow = entry
             (self.prefills if scheduled.is_prefill else self.decodes).remove(scheduled)
             self.tokens += scheduled.num_tokens
+            # NOTE: the step-time cap (prefill_left) is not given back: a step only gets shorter
             if cow is not None:
                 self.out.blocks_to_copy.remove(cow)
 
@@ -112,7 +177,7 @@ class StepPlan:
                     self._decode(seq, group, seq.num_uncomputed_tokens)
             elif prefill:
                 chunks = self.may_chunk(group)
-                n = self._chunk_size(seq, self.tokens) if chunks else seq.num_uncomputed_tokens
+                n = self._chunk_size(seq, self.prefill_budget(group, oldest)) if chunks else seq.num_uncomputed_tokens
                 if beams:
                     n = min(n, seq.num_uncomputed_tokens - 1)
                 # NOTE: past the budget only for the oldest's prompt-logprob prefill with
@@ -145,9 +210,38 @@ class StepPlan:
             self.out.blocks_to_copy.append(cow)
         self._add(ScheduledSeq(seq, group, n, False, bm.tables[seq.seq_id]), cow)
 
+    def prefill_budget(self, group: SequenceGroup, oldest: bool = False) -> int:
+        """The tokens a chunkable prefill of `group` may take now: what is left of the budget,
+        and under the step-time cap (once decodes run, unless `group` is the oldest request or
+        has waited past the cap's wait) what is left of that too."""
+        cap = self.cap
+        if cap is None or oldest or not self.decodes:
+            return self.tokens
+        if cap.wait_s is not None and cap.now - group.arrival_time > cap.wait_s:
+            return self.tokens
+        if self.prefill_left is None:
+            context = sum(s.seq.num_computed_tokens + s.num_tokens for s in self.decodes)
+            fits = cap.cost.prefill_tokens_within(cap.step_s, len(self.decodes), context)
+            if fits is not None:
+                fits = max(fits, cap.floor)
+                # NOTE: a backlog that capped steps clear only after wait_s: the cap would
+                # only move the queue's wait into TTFT, so the step takes the whole budget.
+                if cap.wait_s is not None:
+                    limit = int(fits * cap.wait_s / cap.step_s)
+                    if cap.backlog(limit) > limit:
+                        fits = None
+            if fits is None:  # the cost model is still learning, or the backlog is long: no cap
+                self.cap = None
+                return self.tokens
+            already = sum(s.num_tokens for s in self.prefills)
+            self.prefill_left = max(fits - already, 0)
+        return min(self.tokens, self.prefill_left)
+
     def _add(self, s: ScheduledSeq, cow: tuple[int, int] | None = None) -> None:
         (self.prefills if s.is_prefill else self.decodes).append(s)
         self.tokens -= s.num_tokens
+        if s.is_prefill and self.prefill_left is not None:
+            self.prefill_left = max(self.prefill_left - s.num_tokens, 0)
         self.scheduled[s.seq.seq_id] = (s, cow)
 
     def _caught_up(self, seq: Sequence) -> bool:

@@ -21,7 +21,7 @@ ENGINE_FLAGS = (
     "model", "served_model_name", "tokenizer", "dtype", "linear_kernel", "fused_ops", "device", "load_format", "max_model_len",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "swap_space", "num_gpu_blocks_override",
     "enable_prefix_caching", "kv_allocation", "max_num_seqs", "max_num_batched_tokens", "preemption_mode",
-    "max_preemptions_per_request", "enable_chunked_prefill", "seed", "tensor_parallel_size",
+    "max_preemptions_per_request", "enable_chunked_prefill", "target_itl_ms", "target_ttft_ms", "seed", "tensor_parallel_size",
 )
 
 
@@ -133,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prefill long prompts over several steps, so --max-num-batched-tokens "
                           "(default 256 on a CPU, 2048 on a GPU; off: room for a whole prompt) "
                           "bounds each step (on by default)")
+    eng.add_argument("--target-itl-ms", type=float, default=None,
+                     help="with chunked prefill: cut other requests' prefill chunks so that a step with decodes "
+                          "takes at most this long, as estimated from the recent steps (default 200 on a CPU, "
+                          "off on a GPU; 0: off)")
+    eng.add_argument("--target-ttft-ms", type=float, default=None,
+                     help="requests that arrived longer ago than this, or a prefill backlog the cut would clear "
+                          "only after it, lift --target-itl-ms (default 1000; 0: never)")
     eng.add_argument("--seed", type=int, default=0)
     eng.add_argument("--tensor-parallel-size", type=int, default=1)
     return p

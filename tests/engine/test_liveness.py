@@ -53,6 +53,9 @@ class World:
     max_preemptions: int
     reqs: tuple[Req, ...]
     seed: int
+    # the step-time target (target_itl_ms, target_ttft_ms in steps of the test's clock, where a
+    # step "takes" 1 + D/10 + P/4 ms): None, or a cap that is often down to its floor
+    cap: tuple[float, float | None] | None = None
 
 
 def admissible(w: World, r: Req) -> bool:
@@ -81,10 +84,21 @@ def make_group(w: World, i: int, r: Req) -> SequenceGroup:
     return g
 
 
+def step_ms(decodes: int, prefill: int, rng: random.Random) -> float:
+    """What a step of the simulated engine "takes" (the cost model's input)."""
+    return (1.0 + decodes / 10 + prefill / 4) * rng.uniform(0.9, 1.1)
+
+
 def step(sched: Scheduler, rng: random.Random, w: World) -> list[SequenceGroup]:
     """One engine step without a model; returns the requests that finished."""
     bm = sched.block_manager
     out = sched.schedule()
+    if sched.step_cost is not None:  # what LLMEngine.step reports of the step's time
+        d = sum(not s.is_prefill for s in out.scheduled)
+        p = sum(s.num_tokens for s in out.scheduled if s.is_prefill)
+        sched.step_cost.observe(d, p, 0, step_ms(d, p, rng) / 1000.0)
+        if sched.step_cost.coefficients() is not None:
+            event("step-time cap active")
     assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
     running = [s for g in sched.running for s in g.seqs if s.status == SequenceStatus.RUNNING]
     assert len(running) <= w.max_num_seqs  # (forks may pass it until the next step parks extras)
@@ -162,17 +176,23 @@ def beam_step(g: SequenceGroup, seqs: list, bm: BlockManager, rng: random.Random
 
 def run(w: World) -> int:
     """Run the workload to the end, asserting the properties; returns the preemptions it took."""
+    itl, ttft = w.cap or (None, None)
     cfg = SchedulerConfig(w.max_num_seqs, w.budget, w.max_model_len, w.mode, w.max_preemptions,
-                          enable_chunked_prefill=w.chunked)
+                          enable_chunked_prefill=w.chunked, target_itl_ms=itl,
+                          target_ttft_ms=ttft * 1000.0 if ttft is not None else None)
     bm = BlockManager(w.gpu_blocks, w.cpu_blocks, w.block_size, enable_prefix_caching=w.prefix_caching)
-    sched = Scheduler(cfg, bm)
+    t = 0
+    sched = Scheduler(cfg, bm, clock=lambda: float(t))  # NOTE: arrival times are step numbers
+    assert (sched.step_cost is not None) == (w.cap is not None and w.chunked)
     rng = random.Random(w.seed)
+    if sched.step_cost is not None:  # NOTE: taught the step's cost up front, so the cap acts from the start
+        for d, p in ((1, 0), (4, 0), (1, 8), (4, 16)) * 4:
+            sched.step_cost.observe(d, p, 0, step_ms(d, p, rng) / 1000.0)
     reqs = [r for r in w.reqs if admissible(w, r)]
     groups = [make_group(w, i, r) for i, r in enumerate(reqs)]
     order = sorted(range(len(reqs)), key=lambda i: groups[i].priority)
     finished_at: dict[str, int] = {}
     limit = max((r.arrival for r in reqs), default=0) + sum(bound(w, r) for r in reqs) + 1
-    t = 0
     while len(finished_at) < len(groups):
         for g, r in zip(groups, reqs):
             if r.arrival == t:
@@ -212,9 +232,10 @@ def worlds(draw) -> World:
                         max_tokens=draw(st.integers(1, max(1, min(max_len - p, 32)))),
                         best_of=draw(st.integers(2 if beam else 1, min(seqs, 6 if beam else 12))), beam=beam,
                         prefix=draw(st.integers(0, p)), prompt_logprobs=not beam and draw(st.booleans())))
+    cap = draw(st.one_of(st.none(), st.tuples(st.floats(0.5, 20.0), st.one_of(st.none(), st.integers(1, 40)))))
     return World(gpu, draw(st.integers(0, 48)), bs, max_len, seqs, budget, chunked, draw(st.booleans()),
                  draw(st.sampled_from(["swap", "recompute"])), draw(st.integers(0, 3)), tuple(reqs),
-                 draw(st.integers(0, 2**16)))
+                 draw(st.integers(0, 2**16)), cap)
 
 
 # The issue's reproducer: --max-model-len 1024 --kv-cache-memory 64MiB --swap-space 0.0625 on
@@ -232,22 +253,24 @@ def test_reproducer_request_outgrowing_the_pool_finishes_and_the_next_one_too(mo
 @example(World(8, 8, 4, 32, 4, 32, False, False, "swap", 8, (Req(0, 3, 29, 4, False, 0),), 1))
 @example(World(8, 0, 4, 32, 4, 32, True, True, "recompute", 0, (Req(0, 20, 12, 2, True, 8),
                                                                Req(1, 20, 12, 2, True, 8)), 2))
+@example(World(32, 8, 2, 64, 8, 40, True, True, "swap", 2, tuple(Req(i, 30 + i, 20, 1 + i % 3, False, 4)
+                                                                 for i in range(6)), 3, (2.0, None)))
 @given(worlds())
 def test_every_admitted_request_finishes_within_the_bound(w):
     event("preempted" if run(w) else "no preemption")
 
 
 # ------------------------------------------------------------------- the real engine, tiny model
-ENGINE_CASES = [  # (chunked, prefix caching, preemption mode, block size, device blocks, swap blocks)
-    (False, False, "swap", 4, 24, 24),
-    (False, True, "recompute", 2, 40, 0),
-    (True, False, "recompute", 4, 20, 8),
-    (True, True, "swap", 1, 80, 40),
+ENGINE_CASES = [  # (chunked, prefix caching, preemption mode, block size, device blocks, swap blocks, target ITL)
+    (False, False, "swap", 4, 24, 24, None),
+    (False, True, "recompute", 2, 40, 0, None),
+    (True, False, "recompute", 4, 20, 8, 0.5),  # NOTE: a target no step meets: the cap at its floor
+    (True, True, "swap", 1, 80, 40, None),
 ]
 
 
-@pytest.mark.parametrize("chunked, prefix, mode, bs, gpu, cpu", ENGINE_CASES)
-def test_engine_finishes_random_workloads_on_a_small_pool(chunked, prefix, mode, bs, gpu, cpu):
+@pytest.mark.parametrize("chunked, prefix, mode, bs, gpu, cpu, itl", ENGINE_CASES)
+def test_engine_finishes_random_workloads_on_a_small_pool(chunked, prefix, mode, bs, gpu, cpu, itl):
     """The engine itself (tiny dummy model): n / best_of / beams up to max_num_seqs, prompts
     sharing prefixes, arrivals over time; every request ends with its full output within the
     bound, and the pool is free at the end."""
@@ -258,7 +281,8 @@ def test_engine_finishes_random_workloads_on_a_small_pool(chunked, prefix, mode,
     args = EngineArgs(model="tiny-4kv", load_format="dummy", max_model_len=min(max_len, 64), block_size=bs,
                       num_gpu_blocks_override=gpu, swap_space=cpu * 4096 * bs / 1024**3, max_num_seqs=seqs,
                       max_num_batched_tokens=32 if chunked else 64, enable_chunked_prefill=chunked,
-                      enable_prefix_caching=prefix, preemption_mode=mode, max_preemptions_per_request=2)
+                      enable_prefix_caching=prefix, preemption_mode=mode, max_preemptions_per_request=2,
+                      target_itl_ms=itl)
     engine = LLMEngine(args.create_engine_config())
     w = World(gpu, cpu, bs, engine.config.model.max_model_len, seqs, engine.config.scheduler.max_num_batched_tokens,
               chunked, prefix, mode, 2, (), 0)

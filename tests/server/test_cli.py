@@ -92,3 +92,17 @@ def test_fused_ops_are_on_by_default_and_the_flag_turns_them_off():
     off = parse_args(["--no-fused-ops"]).engine_args
     assert off.fused_ops is False
     assert off.create_engine_config().model.fused_ops is False
+
+
+def test_step_time_targets_default_on_a_cpu_and_the_flags_set_or_turn_them_off():
+    config = parse_args([]).engine_args.create_engine_config()
+    on_cpu = config.device.type == "cpu"  # NOTE: off on a GPU (not measured there)
+    assert (config.scheduler.target_itl_ms, config.scheduler.target_ttft_ms) == ((200.0, 1000.0) if on_cpu else (None, None))
+    sched = parse_args(["--device", "cpu", "--target-itl-ms", "150", "--target-ttft-ms", "0"]).engine_args.create_engine_config().scheduler
+    assert (sched.target_itl_ms, sched.target_ttft_ms) == (150.0, None)
+    for off in (["--target-itl-ms", "0"], ["--no-enable-chunked-prefill"]):
+        sched = parse_args(off).engine_args.create_engine_config().scheduler
+        assert (sched.target_itl_ms, sched.target_ttft_ms) == (None, None)
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(ValueError, match="target_itl_ms"):
+            parse_args(["--target-itl-ms", bad]).engine_args.create_engine_config()

@@ -1,0 +1,183 @@
+"""The step-time target: `StepCost`'s fit, and how the scheduler cuts prefill chunks with it
+(`Scheduler` docstring, "Step-time target"). Liveness with the cap on is in test_liveness.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.scheduler import Scheduler
+from engine.step_cost import StepCost
+from tests.engine.test_scheduler import fake_step, group
+
+# a step takes 10 ms + 1 ms per decode row + 0.5 ms per prefill token + 2 ms per 1,000 context tokens
+A, B, C, D = 0.010, 0.001, 0.0005, 0.002
+
+
+def seconds(decodes: int, prefill: int, context: int = 0) -> float:
+    return A + B * decodes + C * prefill + D * context / 1000
+
+
+def trained(cost: StepCost, steps: int = 40, noise: float = 0.0, seed: int = 0) -> StepCost:
+    rng = random.Random(seed)
+    for _ in range(steps):
+        d, p, k = rng.randint(1, 16), rng.choice([0, 0, rng.randint(1, 256)]), rng.randint(0, 8000)
+        cost.observe(d, p, k, seconds(d, p, k) * (1 + rng.uniform(-noise, noise)))
+    return cost
+
+
+def test_the_fit_recovers_a_linear_step_time():
+    coef = trained(StepCost()).coefficients()
+    assert coef == pytest.approx([A, B, C, D], rel=1e-3)
+    cost = trained(StepCost(), steps=200, noise=0.05, seed=1)
+    assert cost.predict(16, 100, 4000) == pytest.approx(seconds(16, 100, 4000), rel=0.05)
+    # 16 decodes over 4,000 tokens take 34 ms: 100 ms leaves room for 132 prefill tokens
+    assert StepCost().prefill_tokens_within(0.1, 16, 4000) is None  # nothing learnt yet
+    assert trained(StepCost()).prefill_tokens_within(0.1, 16, 4000) == 132
+    assert trained(StepCost()).prefill_tokens_within(0.02, 16, 4000) == 0  # the decodes alone are over
+
+
+def test_no_answer_before_both_kinds_of_step_were_seen():
+    cost = StepCost(min_steps=8)
+    for _ in range(50):  # decode steps only: the prefill cost is unknown
+        cost.observe(8, 0, 1000, seconds(8, 0, 1000))
+    assert cost.coefficients() is None
+    for p in range(1, 8):
+        cost.observe(8, p * 10, 1000, seconds(8, p * 10, 1000))
+    assert cost.coefficients() is None
+    cost.observe(8, 80, 1000, seconds(8, 80, 1000))
+    assert cost.coefficients()[2] == pytest.approx(C, rel=1e-3)
+    cost.observe(0, 0, 0, 1.0)  # an empty step, and a step with no duration, are ignored
+    cost.observe(4, 4, 0, 0.0)
+    assert cost.coefficients()[2] == pytest.approx(C, rel=1e-3)
+
+
+def test_one_batch_size_throughout_still_predicts_it():
+    """Every step at 16 rows: the intercept and the per-row cost cannot be told apart, but
+    the step's time at 16 rows (what is asked) is still right."""
+    cost = StepCost()
+    for i in range(40):
+        p = 0 if i % 2 else 8 * i
+        cost.observe(16, p, 0, seconds(16, p))
+    assert cost.prefill_tokens_within(0.1, 16, 0) == pytest.approx((0.1 - seconds(16, 0)) / C, abs=1)
+
+
+def test_the_fit_follows_a_machine_that_slows_down():
+    cost = trained(StepCost(decay=0.9))
+    rng = random.Random(2)
+    for _ in range(100):  # now everything takes twice as long
+        d, p = rng.randint(1, 16), rng.choice([0, rng.randint(1, 256)])
+        cost.observe(d, p, 0, 2 * seconds(d, p))
+    assert cost.predict(8, 64, 0) == pytest.approx(2 * seconds(8, 64), rel=0.01)
+
+
+@pytest.mark.parametrize("decay", [0.0, 1.0, -1.0])
+def test_decay_must_be_a_fraction(decay):
+    with pytest.raises(ValueError):
+        StepCost(decay=decay)
+
+
+# ------------------------------------------------------------------ the scheduler's cap
+def capped_scheduler(itl_ms: float | None = 20.5, ttft_ms: float | None = 1000.0, train: bool = True):
+    """Block size 4, 8 sequences, a 64-token budget, chunked prefill, a clock we move by hand."""
+    now = [0.0]
+    cfg = SchedulerConfig(8, 64, 64, "swap", 8, enable_chunked_prefill=True, target_itl_ms=itl_ms,
+                          target_ttft_ms=ttft_ms)
+    sched = Scheduler(cfg, BlockManager(64, 64, 4), clock=lambda: now[0])
+    if train and sched.step_cost is not None:
+        trained(sched.step_cost)
+    return sched, now
+
+
+def decoding(sched, now, n: int = 4) -> None:
+    """n short requests, arrived at 0, past their prefill."""
+    for i in range(n):
+        sched.add(group(f"d{i}", 3, max_tokens=50, t=0.0, first=100 * i + 1))
+    fake_step(sched)
+    assert all(s.output_token_ids for g in sched.running for s in g.seqs)
+
+
+def chunks(out) -> dict[str, int]:
+    return {s.group.request_id: s.num_tokens for s in out.scheduled if s.is_prefill}
+
+
+def test_a_new_prompt_beside_decodes_is_cut_to_the_step_time():
+    # 4 decodes (14.03 ms with their context) leave 6.47 ms under the 20.5 ms target: 12 tokens
+    sched, now = capped_scheduler()
+    decoding(sched, now)
+    now[0] = 0.5
+    sched.add(group("e", 40, t=0.5, first=900))
+    out, _ = fake_step(sched)
+    assert chunks(out) == {"e": 12} and len(out.scheduled) == 5
+    out, _ = fake_step(sched)  # the next chunk too, and the decodes every step
+    assert chunks(out) == {"e": 12} and len(out.scheduled) == 5
+
+
+@pytest.mark.parametrize("kwargs", [{"itl_ms": None}, {"train": False}], ids=["no target", "untrained"])
+def test_without_a_target_or_a_trained_cost_model_the_prompt_takes_the_budget(kwargs):
+    sched, now = capped_scheduler(**kwargs)
+    assert (sched.step_cost is None) == ("itl_ms" in kwargs)
+    decoding(sched, now)
+    sched.add(group("e", 40, t=0.5, first=900))
+    out, _ = fake_step(sched)
+    assert chunks(out) == {"e": 40}
+
+
+def test_a_request_that_has_waited_past_the_ttft_target_is_not_cut():
+    sched, now = capped_scheduler(ttft_ms=1000.0)
+    decoding(sched, now)
+    sched.add(group("e", 40, t=0.5, first=900))
+    now[0] = 1.6  # e arrived 1.1 s ago
+    out, _ = fake_step(sched)
+    assert chunks(out) == {"e": 40}
+
+
+def test_a_backlog_the_cap_would_clear_too_late_lifts_it():
+    # capped, 12 tokens a 20.5 ms step: within 100 ms the cap clears 58 tokens; 80 wait
+    sched, now = capped_scheduler(ttft_ms=100.0)
+    decoding(sched, now)
+    sched.add(group("e", 40, t=0.5, first=900))
+    sched.add(group("f", 40, t=0.5, first=1000))
+    now[0] = 0.5
+    out, _ = fake_step(sched)
+    assert chunks(out) == {"e": 40, "f": 20}  # the whole budget: 64 - 4 decodes
+    # one waiting prompt of 40 tokens is within what the cap clears: cut again
+    sched, now = capped_scheduler(ttft_ms=100.0)
+    decoding(sched, now)
+    sched.add(group("e", 40, t=0.5, first=900))
+    now[0] = 0.5
+    out, _ = fake_step(sched)
+    assert chunks(out) == {"e": 12}
+
+
+def test_the_cap_shares_its_tokens_between_prompts_and_keeps_a_block():
+    # a 10 ms target: the decodes alone take longer, so the step keeps its floor, one block
+    sched, now = capped_scheduler(itl_ms=10.0, ttft_ms=None)
+    decoding(sched, now)
+    sched.add(group("e", 40, t=0.5, first=900))
+    sched.add(group("f", 40, t=0.5, first=1000))
+    out, _ = fake_step(sched)
+    assert chunks(out) == {"e": 4}
+    sched, now = capped_scheduler(itl_ms=30.0, ttft_ms=None)  # room for 31 tokens: e's 6, then f's
+    decoding(sched, now)
+    sched.add(group("e", 6, t=0.5, first=900))
+    sched.add(group("f", 40, t=0.5, first=1000))
+    out, _ = fake_step(sched)
+    assert chunks(out) == {"e": 6, "f": 24}  # 31 - 6 = 25, cut back to a block boundary
+
+
+def test_prefill_with_no_decodes_and_the_oldest_request_are_not_cut():
+    sched, now = capped_scheduler(ttft_ms=None)
+    sched.add(group("x", 40, t=0.0, first=1))
+    sched.add(group("y", 40, t=0.1, first=500))
+    out, _ = fake_step(sched)
+    assert chunks(out) == {"x": 40, "y": 24}  # nothing decodes: the whole budget
+    # the oldest request (by arrival) is scheduled first with the whole budget, decodes or not
+    sched, now = capped_scheduler(ttft_ms=None)
+    decoding(sched, now)
+    sched.add(group("old", 40, t=-1.0, first=900))
+    out, _ = fake_step(sched)
+    assert chunks(out) == {"old": 40} and len(out.scheduled) == 5
