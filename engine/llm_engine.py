@@ -366,5 +366,5 @@ def _step_work(sched: SchedulerOutput) -> tuple[int, int, int]:
             prefill += s.num_tokens
         else:
             decodes += 1
-        context += s.seq.num_computed_tokens + s.num_tokens
+        context += s.context_tokens
     return decodes, prefill, context

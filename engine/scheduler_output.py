@@ -22,6 +22,12 @@ class ScheduledSeq:
     # ignored and no token is appended (chunked prefill); True otherwise.
     samples: bool = True
 
+    @property
+    def context_tokens(self) -> int:
+        """The tokens this step attends over for `seq` (computed before it plus this step's),
+        read before the scheduler advances the sequence."""
+        return self.seq.num_computed_tokens + self.num_tokens
+
 
 @dataclass
 class SchedulerOutput:

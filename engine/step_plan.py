@@ -71,7 +71,7 @@ class PrefillCap:
     def of(cls, sched: Scheduler) -> PrefillCap | None:
         """The scheduler's cap for the step it is about to plan; None without a target."""
         cfg, cost = sched.config, sched.step_cost
-        if cost is None or cfg.target_itl_ms is None:
+        if cost is None:  # NOTE: cost_for gives a cost model only with a target
             return None
         wait = cfg.target_ttft_ms / 1000.0 if cfg.target_ttft_ms is not None else None
         return cls(cost, cfg.target_itl_ms / 1000.0, wait, sched.clock(), sched.block_manager.block_size,
@@ -220,7 +220,7 @@ class StepPlan:
         if cap.wait_s is not None and cap.now - group.arrival_time > cap.wait_s:
             return self.tokens
         if self.prefill_left is None:
-            context = sum(s.seq.num_computed_tokens + s.num_tokens for s in self.decodes)
+            context = sum(s.context_tokens for s in self.decodes)
             fits = cap.cost.prefill_tokens_within(cap.step_s, len(self.decodes), context)
             if fits is not None:
                 fits = max(fits, cap.floor)
