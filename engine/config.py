@@ -72,6 +72,9 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None  # tests force a small pool
 
 
+SCHEDULING_POLICIES = ("fcfs", "shortest-prompt")  # engine/admission_order.py
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -86,6 +89,8 @@ class SchedulerConfig:
     target_itl_ms: float | None = None
     # requests that arrived longer ago than this are exempt from that cap; None: none are
     target_ttft_ms: float | None = None
+    # the order in which requests that are out come in (engine/admission_order.py)
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     target_itl_ms: float | None = None  # None: 200 on a CPU with chunked prefill, else off; 0: off
     target_ttft_ms: float | None = None  # None: 1000; 0: no request is exempt for its wait
+    scheduling_policy: str = "fcfs"  # or "shortest-prompt" (engine/admission_order.py)
     seed: int = 0
     tensor_parallel_size: int = 1
     extra: dict = field(default_factory=dict)
@@ -183,6 +189,8 @@ class EngineArgs:
             raise ValueError(f"kv_allocation must be 'paged' or 'reserve', got {self.kv_allocation!r}")
         if self.preemption_mode not in ("swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.max_num_seqs < 1:
@@ -259,5 +267,6 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             target_itl_ms=itl_ms,
             target_ttft_ms=ttft_ms,
+            scheduling_policy=self.scheduling_policy,
         )
         return EngineConfig(model, cache, scheduler, device, self.tensor_parallel_size)

@@ -13,8 +13,9 @@ Each step:
     sequences are scheduled first, in index order, with the whole token budget; then every other
     decode within what is left (a decode that does not fit waits a step and keeps its blocks);
     then the chunks of partially prefilled requests (chunked prefill), oldest first.
-(2) If no request was preempted: leads that are out (swapped, waiting, parked) come in, oldest
-    first, parking extras to make room, stopping at the first that does not fit (FCFS). A
+(2) If no request was preempted: leads that are out (swapped, waiting, parked) come in, in the
+    order of the scheduling policy (engine/admission_order.py: oldest first, or shortest fresh
+    prompt first), parking extras to make room, stopping at the first that does not fit. A
     waiting prompt is charged for the tokens it computes, not those the prefix cache serves.
 (3) If nothing was preempted or parked: parked extras come back, oldest request first, when
     they leave a block of room per running sequence (so that they are not parked again at once).
@@ -61,8 +62,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from itertools import chain
 
+from engine.admission_order import admission_queue
 from engine.block_manager import AdmissionPlan, AllocStatus, BlockManager
 from engine.config import SchedulerConfig
 from engine.kv_view import KvEventLog
@@ -190,13 +191,14 @@ class Scheduler:
         if len(step.scheduled) < num_running and step.tokens >= 1:
             step.schedule_chunks(self.running, oldest)
 
-        # (2) Leads that are out come in, oldest first. `parked`: the running requests with a
+        # (2) Leads that are out come in (admission_order.py). `parked`: the running requests with a
         # waiting sequence (a parked lead or extra), looked up again if (2) brings any in.
         parked = []  # NOTE: a whole request preempted means (3) does not run either
         if not lead_preempted:
             parked = [g for g in self.running if has_waiting(g)]
             parked_leads = [g for g in parked if not self._lead_running(g)]
-            queue = sorted(chain(self.swapped, self.waiting, parked_leads), key=lambda g: g.priority)
+            queue = admission_queue(self.config.scheduling_policy, self.config.max_num_seqs, self.swapped,
+                                    self.waiting, parked_leads)
             for group in queue:
                 if not self._bring_in(group, step, preempt=False):
                     break

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from engine.config import EngineArgs, parse_size
+from engine.config import SCHEDULING_POLICIES, EngineArgs, parse_size
 from server.settings import ServerSettings
 
 API_KEY_ENV = "PAGED_SERVE_API_KEY"
@@ -21,7 +21,7 @@ ENGINE_FLAGS = (
     "model", "served_model_name", "tokenizer", "dtype", "linear_kernel", "fused_ops", "device", "load_format", "max_model_len",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "swap_space", "num_gpu_blocks_override",
     "enable_prefix_caching", "kv_allocation", "max_num_seqs", "max_num_batched_tokens", "preemption_mode",
-    "max_preemptions_per_request", "enable_chunked_prefill", "target_itl_ms", "target_ttft_ms", "seed", "tensor_parallel_size",
+    "max_preemptions_per_request", "enable_chunked_prefill", "target_itl_ms", "target_ttft_ms", "scheduling_policy", "seed", "tensor_parallel_size",
 )
 
 
@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--target-ttft-ms", type=float, default=None,
                      help="requests that arrived longer ago than this, or a prefill backlog the cut would clear "
                           "only after it, lift --target-itl-ms (default 1000; 0: never)")
+    eng.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
+                     help="the order in which waiting requests come in: fcfs, or shortest-prompt (fresh "
+                          "requests with fewer prompt tokens first; requests that have run come back first, "
+                          "and the oldest request is never held back)")
     eng.add_argument("--seed", type=int, default=0)
     eng.add_argument("--tensor-parallel-size", type=int, default=1)
     return p

@@ -56,6 +56,7 @@ class World:
     # the step-time target (target_itl_ms, target_ttft_ms in steps of the test's clock, where a
     # step "takes" 1 + D/10 + P/4 ms): None, or a cap that is often down to its floor
     cap: tuple[float, float | None] | None = None
+    policy: str = "fcfs"  # the scheduling policy (engine/admission_order.py)
 
 
 def admissible(w: World, r: Req) -> bool:
@@ -179,7 +180,7 @@ def run(w: World) -> int:
     itl, ttft = w.cap or (None, None)
     cfg = SchedulerConfig(w.max_num_seqs, w.budget, w.max_model_len, w.mode, w.max_preemptions,
                           enable_chunked_prefill=w.chunked, target_itl_ms=itl,
-                          target_ttft_ms=ttft * 1000.0 if ttft is not None else None)
+                          target_ttft_ms=ttft * 1000.0 if ttft is not None else None, scheduling_policy=w.policy)
     bm = BlockManager(w.gpu_blocks, w.cpu_blocks, w.block_size, enable_prefix_caching=w.prefix_caching)
     t = 0
     sched = Scheduler(cfg, bm, clock=lambda: float(t))  # NOTE: arrival times are step numbers
@@ -235,7 +236,7 @@ def worlds(draw) -> World:
     cap = draw(st.one_of(st.none(), st.tuples(st.floats(0.5, 20.0), st.one_of(st.none(), st.integers(1, 40)))))
     return World(gpu, draw(st.integers(0, 48)), bs, max_len, seqs, budget, chunked, draw(st.booleans()),
                  draw(st.sampled_from(["swap", "recompute"])), draw(st.integers(0, 3)), tuple(reqs),
-                 draw(st.integers(0, 2**16)), cap)
+                 draw(st.integers(0, 2**16)), cap, draw(st.sampled_from(["fcfs", "shortest-prompt"])))
 
 
 # The issue's reproducer: --max-model-len 1024 --kv-cache-memory 64MiB --swap-space 0.0625 on
@@ -255,22 +256,25 @@ def test_reproducer_request_outgrowing_the_pool_finishes_and_the_next_one_too(mo
                                                                Req(1, 20, 12, 2, True, 8)), 2))
 @example(World(32, 8, 2, 64, 8, 40, True, True, "swap", 2, tuple(Req(i, 30 + i, 20, 1 + i % 3, False, 4)
                                                                  for i in range(6)), 3, (2.0, None)))
+@example(World(16, 0, 4, 48, 3, 12, True, False, "recompute", 1, (Req(0, 40, 6, 1, False, 0),) + tuple(
+    Req(i % 3, 2 + i, 4, 1 + i % 2, False, 0) for i in range(1, 6)), 4, None, "shortest-prompt"))
 @given(worlds())
 def test_every_admitted_request_finishes_within_the_bound(w):
     event("preempted" if run(w) else "no preemption")
 
 
 # ------------------------------------------------------------------- the real engine, tiny model
-ENGINE_CASES = [  # (chunked, prefix caching, preemption mode, block size, device blocks, swap blocks, target ITL)
-    (False, False, "swap", 4, 24, 24, None),
-    (False, True, "recompute", 2, 40, 0, None),
-    (True, False, "recompute", 4, 20, 8, 0.5),  # NOTE: a target no step meets: the cap at its floor
-    (True, True, "swap", 1, 80, 40, None),
+ENGINE_CASES = [  # (chunked, prefix caching, preemption mode, block size, device blocks, swap blocks, target ITL,
+    #                 scheduling policy)
+    (False, False, "swap", 4, 24, 24, None, "fcfs"),
+    (False, True, "recompute", 2, 40, 0, None, "shortest-prompt"),
+    (True, False, "recompute", 4, 20, 8, 0.5, "fcfs"),  # NOTE: a target no step meets: the cap at its floor
+    (True, True, "swap", 1, 80, 40, None, "shortest-prompt"),
 ]
 
 
-@pytest.mark.parametrize("chunked, prefix, mode, bs, gpu, cpu, itl", ENGINE_CASES)
-def test_engine_finishes_random_workloads_on_a_small_pool(chunked, prefix, mode, bs, gpu, cpu, itl):
+@pytest.mark.parametrize("chunked, prefix, mode, bs, gpu, cpu, itl, policy", ENGINE_CASES)
+def test_engine_finishes_random_workloads_on_a_small_pool(chunked, prefix, mode, bs, gpu, cpu, itl, policy):
     """The engine itself (tiny dummy model): n / best_of / beams up to max_num_seqs, prompts
     sharing prefixes, arrivals over time; every request ends with its full output within the
     bound, and the pool is free at the end."""
@@ -282,7 +286,7 @@ def test_engine_finishes_random_workloads_on_a_small_pool(chunked, prefix, mode,
                       num_gpu_blocks_override=gpu, swap_space=cpu * 4096 * bs / 1024**3, max_num_seqs=seqs,
                       max_num_batched_tokens=32 if chunked else 64, enable_chunked_prefill=chunked,
                       enable_prefix_caching=prefix, preemption_mode=mode, max_preemptions_per_request=2,
-                      target_itl_ms=itl)
+                      target_itl_ms=itl, scheduling_policy=policy)
     engine = LLMEngine(args.create_engine_config())
     w = World(gpu, cpu, bs, engine.config.model.max_model_len, seqs, engine.config.scheduler.max_num_batched_tokens,
               chunked, prefix, mode, 2, (), 0)

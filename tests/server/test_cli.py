@@ -106,3 +106,14 @@ def test_step_time_targets_default_on_a_cpu_and_the_flags_set_or_turn_them_off()
     for bad in ("-1", "nan", "inf"):
         with pytest.raises(ValueError, match="target_itl_ms"):
             parse_args(["--target-itl-ms", bad]).engine_args.create_engine_config()
+
+
+def test_scheduling_policy_flag_reaches_the_scheduler_and_bad_values_are_refused():
+    assert parse_args([]).engine_args.create_engine_config().scheduler.scheduling_policy == "fcfs"
+    sched = parse_args(["--scheduling-policy", "shortest-prompt"]).engine_args.create_engine_config().scheduler
+    assert sched.scheduling_policy == "shortest-prompt"
+    with pytest.raises(SystemExit):
+        parse_args(["--scheduling-policy", "random"])
+    from engine.config import EngineArgs
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineArgs(model="tiny-4kv", load_format="dummy", scheduling_policy="lifo").create_engine_config()
