@@ -216,7 +216,7 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
       static_cast<int>(query.size(0)), static_cast<int>(query.size(1)), static_cast<int>(key_cache.size(1)),
       static_cast<int>(query.size(2)), static_cast<int>(key_cache.size(2)), static_cast<int>(tables.size(1)),
       static_cast<int>(key_cache.size(0)), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-      key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)};
+      key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), static_cast<int>(max_context_len)};
   // Scratch for the split-context path; empty when one partition covers every sequence.
   const int num_partitions = cuda::attention_num_partitions(static_cast<int>(max_context_len));
   at::Tensor partial_out, partial_max, partial_sum;

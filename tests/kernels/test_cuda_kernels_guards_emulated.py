@@ -79,6 +79,7 @@ def test_block_id_outside_the_pool_is_reported(sim_lib, lens):
 
 @pytest.mark.parametrize(("lens", "max_context_len"), [
     ([600, 20], 512),  # longer than max_context_len: once silently cut at 512 tokens
+    ([40, 20], 30),    # longer than max_context_len, inside one partition and its block table
     ([20, -3], 20),    # negative
 ])
 def test_context_len_out_of_range_is_reported(sim_lib, lens, max_context_len):

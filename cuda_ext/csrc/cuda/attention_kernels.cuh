@@ -92,13 +92,15 @@ __device__ void block_reduce(float (&v)[GROUP], float (*scratch)[kNumWarps], Op 
   __syncthreads();  // scratch may be reused right after
 }
 
-// The context length a kernel may use for sequence `seq`: context_lens[seq] clamped to what
-// the launch covers (num_partitions * kPartitionSize tokens) and what its block table row
-// holds; a length outside that is reported (kBadContextLen) instead of read past the table.
+// The context length a kernel may use for sequence `seq`: context_lens[seq] clamped to the
+// caller's max_context_len, what the launch covers (num_partitions * kPartitionSize tokens)
+// and what its block table row holds; a length outside that is reported (kBadContextLen)
+// instead of read past the table.
 __device__ __forceinline__ int guarded_context_len(const int* context_lens, int seq, int num_partitions,
                                                    const AttentionShape& shape, int* error_flag) {
   const int len = context_lens[seq];
-  const int64_t limit = min(static_cast<int64_t>(num_partitions) * kPartitionSize,
+  const int64_t limit = min(min(static_cast<int64_t>(num_partitions) * kPartitionSize,
+                                static_cast<int64_t>(shape.max_context_len)),
                             static_cast<int64_t>(shape.max_blocks_per_seq) * shape.block_size);
   if (len < 0 || len > limit) {
     if (threadIdx.x == 0) report_error(error_flag, kBadContextLen);

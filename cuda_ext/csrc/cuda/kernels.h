@@ -58,6 +58,7 @@ struct AttentionShape {
   int64_t q_stride_seq, q_stride_head;                                // query
   int64_t out_stride_seq, out_stride_head;                            // out
   int64_t cache_stride_block, cache_stride_head, cache_stride_token;  // key and value caches
+  int max_context_len;  // the caller's bound on every context_lens entry (checked in the kernel)
 };
 
 cudaError_t paged_attention(void* out,                 // [num_seqs, num_heads, head_size]
