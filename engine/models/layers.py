@@ -171,7 +171,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, scaling = _rope_inv_freq(hf_config, head_size)
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
+        freqs = torch.outer(t, inv_freq.to(t.device))  # HF's initialisers build it on the CPU
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)

@@ -134,12 +134,14 @@ def load_weights(model: torch.nn.Module, path: str, load_format: str, seed: int 
     """
     t0 = time.perf_counter()
     if load_format == "dummy":
-        gen = torch.Generator().manual_seed(seed)
+        # NOTE: drawn on the model's device, as model_runner.load_dummy_weights draws them.
+        device = next(model.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for p in model.parameters():
-                cpu = torch.empty(p.shape, dtype=torch.float32)
-                cpu.uniform_(-0.05, 0.05, generator=gen)
-                p.copy_(cpu.to(p.dtype))
+                full = torch.empty(p.shape, dtype=torch.float32, device=device)
+                full.uniform_(-0.05, 0.05, generator=gen)
+                p.copy_(full.to(p.dtype))
         logger.info("initialised dummy weights in %.1f s", time.perf_counter() - t0)
         return
     params = dict(model.named_parameters())
