@@ -42,9 +42,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_config(max_len: int) -> str:
-    """configs/models/tiny-4kv.json with room for `max_len` positions, as a temporary file."""
+    """configs/models/tiny-4kv.json with room for `max_len` positions, as a temporary file.
+    On a GPU its heads are 64 wide: the CUDA paged_attention is built for 64 and 128 only, and
+    head size 32 would time the pure-torch reference instead."""
     config = json.loads((REPO / "configs/models/tiny-4kv.json").read_text())
     config["max_position_embeddings"] = max(config["max_position_embeddings"], max_len)
+    if torch.cuda.is_available():
+        config["head_dim"] = 64
     path = Path(tempfile.mkdtemp(prefix="step-overhead-")) / "tiny-4kv.json"
     path.write_text(json.dumps(config))
     return str(path)
@@ -56,9 +60,17 @@ def measure(batch: int, context: int, steps: int, sampling: str, seed: int = 0, 
     # while the last ones are still being prefilled (budget tokens a step).
     max_tokens = -(-batch * context // budget) + 8 + steps + 8
     max_len = context + max_tokens
+    # NOTE: on a GPU the pool is sized by --gpu-memory-utilization, not kv_cache_memory: the
+    # block count is given instead, and the last case's engine is collected first (its pool
+    # would otherwise still hold the GPU's memory when this one sizes its own).
+    gpu_blocks = batch * -(-(max_len + 16) // 16) + 64 if torch.cuda.is_available() else None
     args = EngineArgs(model=tiny_config(max_len), load_format="dummy", max_model_len=max_len, block_size=16,
                       max_num_seqs=max(batch, 1), max_num_batched_tokens=budget, seed=seed,
-                      kv_cache_memory=f"{batch * (max_len + 16) * 4096 + 64 * 2**20}", enable_prefix_caching=True)
+                      kv_cache_memory=f"{batch * (max_len + 16) * 4096 + 64 * 2**20}", enable_prefix_caching=True,
+                      num_gpu_blocks_override=gpu_blocks)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     engine = LLMEngine(args.create_engine_config())
     gc.collect()
     gc.freeze()  # as the server does once its engine is loaded (engine/async_engine.py)
@@ -80,6 +92,8 @@ def measure(batch: int, context: int, steps: int, sampling: str, seed: int = 0, 
         t0 = time.perf_counter()
         try:
             out = execute(step_input)
+            if out.logits.is_cuda:  # the forward pass ends on the GPU, not when execute() returns
+                torch.cuda.synchronize()
             if evict is not None:
                 evict.add_(1.0)
             return out
