@@ -13,7 +13,7 @@ the performance issue), fp32 and bf16, as a share of a plain `sum()` over 512 Mi
 same rounds (the machine's read rate right then: on a shared VM it moves 20% from minute to
 minute). Rounds interleave every shape and the sum(); the figures are medians over rounds.
 
-    python benchmarks/kernels/bench_paged_attention.py [--device cpu|cuda] [--iters N]
+    python benchmarks/kernels/bench_paged_attention.py [--device cpu|cuda] [--iters N] [--sweep]
     python benchmarks/kernels/bench_paged_attention.py --bandwidth [--rounds 5]
 """
 
@@ -58,16 +58,17 @@ CUDA_SHAPE = Shape(64, 4096, 32, 8, 128, 16, torch.bfloat16)
 
 
 def make_inputs(shape: Shape, device: str, seed: int = 0):
-    """Caches whose blocks are handed out in a random order (non-contiguous block tables)."""
-    gen = torch.Generator().manual_seed(seed)
+    """Caches whose blocks are handed out in a random order (non-contiguous block tables),
+    drawn on `device` (a CPU generator would take seconds for a GPU-sized pool)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = -(-shape.context_len // shape.block_size)
     num_blocks = shape.batch * blocks_per_seq
     cache_shape = (num_blocks, shape.num_kv_heads, shape.block_size, shape.head_size)
-    key_cache = torch.randn(cache_shape, generator=gen).to(device, shape.dtype)
-    value_cache = torch.randn(cache_shape, generator=gen).to(device, shape.dtype)
-    tables = torch.randperm(num_blocks, generator=gen).view(shape.batch, blocks_per_seq).to(device, torch.int32)
+    key_cache = torch.randn(cache_shape, generator=gen, device=device).to(shape.dtype)
+    value_cache = torch.randn(cache_shape, generator=gen, device=device).to(shape.dtype)
+    tables = torch.randperm(num_blocks, generator=gen, device=device).view(shape.batch, blocks_per_seq).to(torch.int32)
     lens = torch.full((shape.batch,), shape.context_len, dtype=torch.int32, device=device)
-    query = torch.randn(shape.batch, shape.num_heads, shape.head_size, generator=gen).to(device, shape.dtype)
+    query = torch.randn(shape.batch, shape.num_heads, shape.head_size, generator=gen, device=device).to(shape.dtype)
     return query, key_cache, value_cache, tables, lens
 
 
@@ -187,6 +188,28 @@ def bench_cuda(iters: int) -> bool:
     return tbps >= 3.6 and ratio >= 1
 
 
+# Other decode shapes on a GPU, for information: (batch, context, heads, KV heads, head size, dtype).
+CUDA_SWEEP = [Shape(b, ctx, h, kv, d, 16, dt) for b, ctx, h, kv, d, dt in (
+    (64, 4096, 32, 8, 128, torch.float16), (256, 1024, 32, 8, 128, torch.bfloat16),
+    (256, 512, 32, 8, 128, torch.bfloat16), (16, 16384, 32, 8, 128, torch.bfloat16),
+    (64, 4096, 32, 32, 128, torch.bfloat16), (64, 4096, 9, 3, 64, torch.bfloat16),
+    (256, 1024, 8, 4, 64, torch.bfloat16), (64, 4096, 32, 8, 128, torch.float32))]
+
+
+def sweep_cuda(iters: int) -> None:
+    """K/V read rate of the CUDA kernel at CUDA_SWEEP's shapes (median of `iters` launches)."""
+    print("CUDA paged_attention at other shapes (block 16, random tables; median ms, K/V TB/s):")
+    for s in CUDA_SWEEP:
+        query, key_cache, value_cache, tables, lens = make_inputs(s, "cuda")
+        out = torch.empty_like(query)
+        ms = median_ms(lambda: ops.paged_attention(out, query, key_cache, value_cache, tables, lens,
+                                                   s.head_size**-0.5, s.context_len), iters, cuda=True)
+        print(f"  b{s.batch:<4d} x {s.context_len:<6d} {s.num_heads:2d}q/{s.num_kv_heads:2d}kv head {s.head_size:3d} "
+              f"{str(s.dtype).removeprefix('torch.'):9s} {ms:8.3f} ms  {s.kv_bytes() / ms / 1e9:5.2f} TB/s")
+        del query, key_cache, value_cache, tables, lens, out
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -194,6 +217,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     parser.add_argument("--bandwidth", action="store_true", help="CPU read rate at heads 32/64/128 (see above)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds for --bandwidth")
+    parser.add_argument("--sweep", action="store_true", help="with --device cuda: other decode shapes too")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.device == "cuda":
@@ -201,6 +225,8 @@ def main() -> int:
             print("no CUDA device", file=sys.stderr)
             return 2
         ok = bench_cuda(args.iters or 50)
+        if args.sweep:
+            sweep_cuda(args.iters or 50)
     elif args.bandwidth:
         ok = bench_bandwidth(args.rounds, args.iters or 15)
     else:
