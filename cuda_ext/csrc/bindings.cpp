@@ -87,7 +87,7 @@ TORCH_LIBRARY_IMPL(paged_serve, Meta, m) {
 namespace {
 
 void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
+  PS_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
 }
 
 cuda::DType to_dtype(at::ScalarType t) {
@@ -95,7 +95,7 @@ cuda::DType to_dtype(at::ScalarType t) {
     case at::kFloat: return cuda::DType::kFloat32;
     case at::kHalf: return cuda::DType::kFloat16;
     case at::kBFloat16: return cuda::DType::kBFloat16;
-    default: TORCH_CHECK(false, "paged_attention supports float32, float16 and bfloat16, not ", t);
+    default: PS_CHECK(false, "paged_attention supports float32, float16 and bfloat16, not ", t);
   }
 }
 
@@ -104,7 +104,7 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_
 // A kernel dereferences every pointer on one GPU: a stray CPU tensor would crash it.
 void check_on(const at::Device& device, std::initializer_list<const at::Tensor*> tensors, const char* op) {
   for (const at::Tensor* t : tensors) {
-    TORCH_CHECK(t->device() == device, op, ": all tensors must be on ", device, ", got one on ", t->device());
+    PS_CHECK(t->device() == device, op, ": all tensors must be on ", device, ", got one on ", t->device());
   }
 }
 
@@ -151,7 +151,7 @@ int64_t take_device_error() {
 // call (a host-side check would need a synchronisation on every call).
 void raise_device_error(const char* op) {
   const int64_t code = take_device_error();
-  TORCH_CHECK(code == 0, op, ": an earlier paged_serve CUDA kernel found ", error_text(static_cast<int>(code)),
+  PS_CHECK(code == 0, op, ": an earlier paged_serve CUDA kernel found ", error_text(static_cast<int>(code)),
               "; the device-side inputs of that call were out of range (its bad entries were not used)");
 }
 
@@ -164,7 +164,7 @@ at::Tensor index_on(const at::Tensor& t, const at::Device& device, Check check) 
     check();
     return t.contiguous().to(device, /*non_blocking=*/true);
   }
-  TORCH_CHECK(t.device() == device, "index tensors must be on the CPU or on ", device, ", got one on ", t.device());
+  PS_CHECK(t.device() == device, "index tensors must be on the CPU or on ", device, ", got one on ", t.device());
   return t.contiguous();
 }
 
@@ -190,16 +190,16 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
                           const at::Tensor& context_lens, double scale, int64_t max_context_len) {
   raise_device_error("paged_attention");
   checks::check_attention(out, query, key_cache, value_cache, block_tables, context_lens, max_context_len);
-  TORCH_CHECK(cuda::attention_supports_head_size(query.size(2)), "the CUDA paged_attention is built for head sizes 64 "
+  PS_CHECK(cuda::attention_supports_head_size(query.size(2)), "the CUDA paged_attention is built for head sizes 64 "
               "and 128, not ", query.size(2));
   const int64_t vec = 16 / key_cache.element_size();  // elements per 16-byte load
-  TORCH_CHECK(aligned16(key_cache) && aligned16(value_cache) && key_cache.stride(0) % vec == 0 &&
+  PS_CHECK(aligned16(key_cache) && aligned16(value_cache) && key_cache.stride(0) % vec == 0 &&
                   key_cache.stride(1) % vec == 0 && key_cache.stride(2) % vec == 0,
               "paged_attention: caches must be 16-byte aligned with head_size contiguous");
-  TORCH_CHECK(query.size(0) <= cuda::kMaxGridYZ, "paged_attention: at most ", cuda::kMaxGridYZ,
+  PS_CHECK(query.size(0) <= cuda::kMaxGridYZ, "paged_attention: at most ", cuda::kMaxGridYZ,
               " sequences per call, got ", query.size(0));
-  TORCH_CHECK(key_cache.size(0) <= INT32_MAX, "paged_attention: at most 2^31 - 1 blocks (int32 block ids)");
-  TORCH_CHECK(max_context_len <= cuda::kMaxContextLen, "paged_attention: contexts are limited to ",
+  PS_CHECK(key_cache.size(0) <= INT32_MAX, "paged_attention: at most 2^31 - 1 blocks (int32 block ids)");
+  PS_CHECK(max_context_len <= cuda::kMaxContextLen, "paged_attention: contexts are limited to ",
               cuda::kMaxContextLen, " tokens, got max_context_len ", max_context_len);
   check_on(query.device(), {&out, &key_cache, &value_cache}, "paged_attention");
   const c10::cuda::CUDAGuard guard(query.device());
@@ -216,7 +216,8 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
       static_cast<int>(query.size(0)), static_cast<int>(query.size(1)), static_cast<int>(key_cache.size(1)),
       static_cast<int>(query.size(2)), static_cast<int>(key_cache.size(2)), static_cast<int>(tables.size(1)),
       static_cast<int>(key_cache.size(0)), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-      key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), static_cast<int>(max_context_len)};
+      key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), static_cast<int>(max_context_len),
+      cuda::attention_block_shift(static_cast<int>(key_cache.size(2)))};
   // Scratch for the split-context path; empty when one partition covers every sequence.
   const int num_partitions = cuda::attention_num_partitions(static_cast<int>(max_context_len));
   at::Tensor partial_out, partial_max, partial_sum;
@@ -241,19 +242,19 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
 void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping,
                       const std::optional<at::Tensor>& cache_ptrs) {
   raise_device_error("copy_blocks");
-  TORCH_CHECK(key_caches.size() == value_caches.size(), "copy_blocks: need as many value caches as key caches");
-  TORCH_CHECK(block_mapping.scalar_type() == at::kLong && block_mapping.dim() == 2 && block_mapping.size(1) == 2,
+  PS_CHECK(key_caches.size() == value_caches.size(), "copy_blocks: need as many value caches as key caches");
+  PS_CHECK(block_mapping.scalar_type() == at::kLong && block_mapping.dim() == 2 && block_mapping.size(1) == 2,
               "copy_blocks: block_mapping must be [num_pairs, 2] int64");
   if (key_caches.empty() || block_mapping.size(0) == 0) return;
   const at::Device device = key_caches[0].device();
   const c10::cuda::CUDAGuard guard(device);
   const int64_t num_blocks = key_caches[0].dim() >= 1 ? key_caches[0].size(0) : 0;
-  TORCH_CHECK(num_blocks > 0, "copy_blocks: the caches have no blocks");
+  PS_CHECK(num_blocks > 0, "copy_blocks: the caches have no blocks");
   const int64_t block_bytes = key_caches[0].numel() / num_blocks * key_caches[0].element_size();
   std::vector<int64_t> ptrs;
   for (at::TensorList caches : {key_caches, value_caches}) {
     for (const at::Tensor& c : caches) {
-      TORCH_CHECK(c.device() == device && c.is_contiguous() && aligned16(c) && c.dim() >= 1 &&
+      PS_CHECK(c.device() == device && c.is_contiguous() && aligned16(c) && c.dim() >= 1 &&
                       c.size(0) == num_blocks && c.numel() / num_blocks * c.element_size() == block_bytes,
                   "copy_blocks: caches must be contiguous, on one device, with one number and size of blocks");
       ptrs.push_back(reinterpret_cast<int64_t>(c.data_ptr()));
@@ -262,7 +263,7 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, co
   at::Tensor device_ptrs;
   if (cache_ptrs.has_value()) {
     device_ptrs = *cache_ptrs;
-    TORCH_CHECK(device_ptrs.device() == device && device_ptrs.scalar_type() == at::kLong && device_ptrs.dim() == 1 &&
+    PS_CHECK(device_ptrs.device() == device && device_ptrs.scalar_type() == at::kLong && device_ptrs.dim() == 1 &&
                     device_ptrs.numel() == static_cast<int64_t>(ptrs.size()) && device_ptrs.is_contiguous(),
                 "copy_blocks: cache_ptrs must be a contiguous [", ptrs.size(), "] int64 tensor on ", device);
   } else {
@@ -279,7 +280,7 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, co
 
 void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
   raise_device_error("swap_blocks");
-  TORCH_CHECK(src.scalar_type() == dst.scalar_type() && src.dim() >= 1 && src.sizes().slice(1) == dst.sizes().slice(1) &&
+  PS_CHECK(src.scalar_type() == dst.scalar_type() && src.dim() >= 1 && src.sizes().slice(1) == dst.sizes().slice(1) &&
                   src.is_contiguous() && dst.is_contiguous(),
               "swap_blocks: src and dst must be contiguous with the same dtype and block shape");
   checks::check_mapping_on_host(block_mapping, src.size(0), dst.size(0), "swap_blocks");

@@ -162,3 +162,29 @@ def test_device_copy_mapping_outside_the_pool_is_reported(device):
     kc, vc = caches(device)
     ops.copy_blocks([kc], [vc], torch.tensor([[0, 9]], device=device))
     expect_device_error("block id outside")
+
+
+# ------------------------------------------------------------------ how the messages are built
+@pytest.mark.parametrize("device", DEVICES)
+def test_messages_format_numbers_shapes_and_devices(device):
+    """PS_CHECK (csrc/check_message.h) builds each message as text: numbers, shapes as
+    [a, b, ...] and dtypes read as TORCH_CHECK wrote them."""
+    kc, vc = caches(device)
+    other = torch.zeros(3, 2, 8, 64, device=device)
+    with pytest.raises(RuntimeError, match=r"got \[4, 2, 8, 64\] and \[3, 2, 8, 64\]"):
+        ops.reshape_and_cache(torch.ones(1, 2, 64, device=device), torch.ones(1, 2, 64, device=device), kc, other,
+                              torch.tensor([0]))
+    with pytest.raises(RuntimeError, match=r"slot 40 of token 1 out of range \(32 slots\)"):
+        ops.reshape_and_cache(torch.ones(2, 2, 64, device=device), torch.ones(2, 2, 64, device=device), kc, vc,
+                              torch.tensor([3, 40]))
+
+
+def test_checks_build_their_messages_as_text():
+    """Every check in csrc goes through PS_CHECK: a TORCH_CHECK that streams a number crashed
+    the process on a GPU image whose build linked its own libstdc++ (check_message.h says why)."""
+    from cuda_ext import build
+
+    offenders = [f"{path.relative_to(build.CSRC)}:{i}" for path in sorted(build.CSRC.rglob("*"))
+                 if path.suffix in {".cpp", ".h", ".cu", ".cuh"} and path.name != "check_message.h"
+                 for i, line in enumerate(path.read_text().splitlines(), 1) if "TORCH_CHECK(" in line]
+    assert not offenders, f"TORCH_CHECK( instead of PS_CHECK( in {offenders}"

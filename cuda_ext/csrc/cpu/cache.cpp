@@ -15,7 +15,7 @@ namespace {
 
 // Bytes of one block in a block-major tensor [num_blocks, ...] (checked contiguous).
 int64_t block_bytes(const at::Tensor& t) {
-  TORCH_CHECK(t.is_contiguous(), "block-major cache tensors must be contiguous");
+  PS_CHECK(t.is_contiguous(), "block-major cache tensors must be contiguous");
   int64_t bytes = t.element_size();
   for (int64_t d = 1; d < t.dim(); ++d) bytes *= t.size(d);
   return bytes;
@@ -59,13 +59,13 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping,
                  const std::optional<at::Tensor>& cache_ptrs) {
   (void)cache_ptrs;  // the CUDA kernel's device pointer table; the CPU loop needs none
-  TORCH_CHECK(key_caches.size() == value_caches.size(), "copy_blocks: need as many value caches as key caches");
+  PS_CHECK(key_caches.size() == value_caches.size(), "copy_blocks: need as many value caches as key caches");
   if (key_caches.empty()) return;
   std::vector<at::Tensor> caches(key_caches.begin(), key_caches.end());
   caches.insert(caches.end(), value_caches.begin(), value_caches.end());
   const int64_t num_blocks = caches[0].dim() >= 1 ? caches[0].size(0) : 0;
   for (const at::Tensor& cache : caches) {
-    TORCH_CHECK(cache.dim() >= 1 && cache.size(0) == num_blocks,
+    PS_CHECK(cache.dim() >= 1 && cache.size(0) == num_blocks,
                 "copy_blocks: caches must be block-major [num_blocks, ...] with one number of blocks");
   }
   checks::check_mapping_on_host(block_mapping, num_blocks, num_blocks, "copy_blocks");
@@ -83,14 +83,14 @@ void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const a
 }
 
 void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
-  TORCH_CHECK(src.scalar_type() == dst.scalar_type() && src.sizes().slice(1) == dst.sizes().slice(1),
+  PS_CHECK(src.scalar_type() == dst.scalar_type() && src.sizes().slice(1) == dst.sizes().slice(1),
               "src and dst must have the same dtype and block shape");
-  TORCH_CHECK(src.dim() >= 1, "swap_blocks: src and dst must be block-major [num_blocks, ...]");
+  PS_CHECK(src.dim() >= 1, "swap_blocks: src and dst must be block-major [num_blocks, ...]");
   checks::check_mapping_on_host(block_mapping, src.size(0), dst.size(0), "swap_blocks");
   const at::Tensor mapping = block_mapping.contiguous();
   const int64_t* pairs = mapping.const_data_ptr<int64_t>();
   const int64_t bytes = block_bytes(src);
-  TORCH_CHECK(bytes == block_bytes(dst), "swap_blocks: src and dst must be contiguous");
+  PS_CHECK(bytes == block_bytes(dst), "swap_blocks: src and dst must be contiguous");
   at::parallel_for(0, mapping.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       std::memcpy(block_ptr(dst, pairs[2 * p + 1], bytes), block_ptr(src, pairs[2 * p], bytes), bytes);

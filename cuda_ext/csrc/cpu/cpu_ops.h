@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "../check_message.h"
+
 #include <optional>
 
 namespace paged_serve::cpu {

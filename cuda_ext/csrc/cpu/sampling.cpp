@@ -47,7 +47,7 @@ inline float exp_nonpositive(float x) {
 }
 
 void check_vector(const at::Tensor& t, const char* name, int64_t rows, at::ScalarType type) {
-  TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.size(0) == rows && t.is_contiguous() && t.scalar_type() == type,
+  PS_CHECK(t.device().is_cpu() && t.dim() == 1 && t.size(0) == rows && t.is_contiguous() && t.scalar_type() == type,
               "draw_tokens: ", name, " must be a contiguous CPU vector of ", rows, " ", type);
 }
 
@@ -55,11 +55,11 @@ void check_vector(const at::Tensor& t, const char* name, int64_t rows, at::Scala
 
 void draw_tokens(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_p,
                  const at::Tensor& u, at::Tensor& tokens) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
+  PS_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
                   logits.stride(1) == 1,
               "draw_tokens: logits must be a [rows, vocab] float32 CPU tensor with a contiguous last dim");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK(vocab > 0 || rows == 0, "draw_tokens: empty vocabulary");
+  PS_CHECK(vocab > 0 || rows == 0, "draw_tokens: empty vocabulary");
   check_vector(temperature, "temperature", rows, at::kFloat);
   check_vector(top_p, "top_p", rows, at::kFloat);
   check_vector(u, "u", rows, at::kFloat);
