@@ -24,13 +24,15 @@ CUDA_DIR = build.CSRC / "cuda"
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 # (dtype, head_size, (num_heads, num_kv_heads), block_size, context_lens): each GQA chunking
-# (1, 4, 8 and 8 + 4 heads per block), single and split contexts, an empty context.
+# (1, 4, 8 and 8 + 4 heads per block, a group of 2 or 3 in a 4-head block), single and split
+# contexts, an empty context.
 CASES = [
     (torch.float32, 64, (4, 4), 16, [5, 600]),
     (torch.bfloat16, 128, (8, 2), 16, [0, 33, 1100]),
     (torch.float16, 64, (24, 2), 8, [17, 513]),
     (torch.bfloat16, 64, (9, 3), 1, [1, 40]),
     (torch.float32, 128, (16, 2), 32, [300]),
+    (torch.float16, 64, (8, 4), 12, [7, 530]),  # a block size that is no power of two: divisions
 ]
 
 

@@ -12,7 +12,18 @@
 //     pass 2 (paged_attention_reduce_kernel) rescales and sums them (vLLM's "v2" idea). This
 //     keeps long contexts spread over many SMs and shared memory bounded.
 // Inside a block, LANES threads share one K/V row (16 bytes each), so a warp reads whole
-// 128/256-byte rows with vector loads and ROWS rows are in flight at once.
+// 128/256-byte rows with vector loads and ROWS rows are in flight at once. With GQA the
+// GROUP heads' dot products of a row are reduced and scattered over its LANES threads (each
+// ends with one head's logit): GROUP - 1 + log2(LANES / GROUP) shuffles, not GROUP * log2(LANES),
+// which on an H200 made a 4-head block instruction-bound at half the K/V read rate.
+//
+// Tuning knobs (compile-time; benchmarks/kernels/tune_paged_attention.py builds variants):
+// K/V rows each thread loads before computing on them, per GROUP, and the blocks per SM that
+// __launch_bounds__ asks ptxas to fit (it caps the registers). The defaults are the H200's
+// fastest (2026-12-04, bf16, block 16, medians of 3 x 30 launches): GROUP 4 at 8 blocks (64
+// registers, a few bytes spilled) read 2.72 TB/s at 64 x 4096 (32q/8kv, head 128) where
+// 4 blocks (112 registers) read 2.35 and the all-reduce kernel before it 1.77; GROUP 8 with 4
+// rows at 4 blocks 1.82 TB/s (64q/8kv) where 2 rows unbounded read 1.24; GROUP 1 4.2 TB/s.
 
 #pragma once
 
@@ -30,7 +41,34 @@ namespace paged_serve::cuda::attention_kernels {
 constexpr int kWarpSize = 32;
 constexpr int kNumThreads = 128;
 constexpr int kNumWarps = kNumThreads / kWarpSize;
-constexpr int kUnroll = 4;  // K/V rows each thread loads before it computes on them
+#ifndef PAGED_SERVE_ATTN_UNROLL_1
+#define PAGED_SERVE_ATTN_UNROLL_1 4
+#endif
+#ifndef PAGED_SERVE_ATTN_UNROLL_4
+#define PAGED_SERVE_ATTN_UNROLL_4 4
+#endif
+#ifndef PAGED_SERVE_ATTN_UNROLL_8
+#define PAGED_SERVE_ATTN_UNROLL_8 4
+#endif
+#ifndef PAGED_SERVE_ATTN_MIN_BLOCKS_1
+#define PAGED_SERVE_ATTN_MIN_BLOCKS_1 1
+#endif
+#ifndef PAGED_SERVE_ATTN_MIN_BLOCKS_4
+#define PAGED_SERVE_ATTN_MIN_BLOCKS_4 8
+#endif
+#ifndef PAGED_SERVE_ATTN_MIN_BLOCKS_8
+#define PAGED_SERVE_ATTN_MIN_BLOCKS_8 4
+#endif
+
+// K/V rows each thread loads before it computes on them; fewer for 8 heads, whose q and
+// accumulators take most of the registers (keeps ptxas from spilling).
+template <int GROUP>
+constexpr int kUnrollFor =
+    GROUP >= 8 ? PAGED_SERVE_ATTN_UNROLL_8 : GROUP >= 4 ? PAGED_SERVE_ATTN_UNROLL_4 : PAGED_SERVE_ATTN_UNROLL_1;
+template <int GROUP>
+constexpr int kMinBlocksFor = GROUP >= 8   ? PAGED_SERVE_ATTN_MIN_BLOCKS_8
+                              : GROUP >= 4 ? PAGED_SERVE_ATTN_MIN_BLOCKS_4
+                                           : PAGED_SERVE_ATTN_MIN_BLOCKS_1;
 
 template <typename T> __device__ __forceinline__ float to_float(T x);
 template <> __device__ __forceinline__ float to_float(float x) { return x; }
@@ -66,6 +104,26 @@ __device__ __forceinline__ float group_sum(float v) {
 #pragma unroll
   for (int mask = WIDTH / 2; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
   return v;
+}
+
+// Sums each of v[0..GROUP) over groups of LANES consecutive lanes and scatters the sums: lane
+// `lane` (of its group) returns the sum of v[lane / (LANES / GROUP)]. Each halving step sends
+// the half of the values a lane gives away and keeps the other half, so it takes GROUP - 1 +
+// log2(LANES / GROUP) shuffles. GROUP <= LANES, both powers of two; every lane must call it.
+template <int LANES, int GROUP>
+__device__ __forceinline__ float group_sum_scatter(float (&v)[GROUP], int lane) {
+  static_assert(GROUP <= LANES && (GROUP & (GROUP - 1)) == 0, "GROUP: a power of two <= LANES");
+#pragma unroll
+  for (int width = GROUP, mask = LANES / 2; width > 1; width /= 2, mask /= 2) {
+    const bool upper = (lane & mask) != 0;  // keeps v[width / 2, width), gives away the rest
+#pragma unroll
+    for (int i = 0; i < width / 2; ++i) {
+      const float give = upper ? v[i] : v[i + width / 2];
+      const float keep = upper ? v[i + width / 2] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, give, mask);
+    }
+  }
+  return group_sum<LANES / GROUP>(v[0]);
 }
 
 struct MaxOp { __device__ float operator()(float a, float b) const { return fmaxf(a, b); } };
@@ -113,7 +171,7 @@ __device__ __forceinline__ int guarded_context_len(const int* context_lens, int 
 // num_heads / num_kv_heads query heads is split into ceil(group / GROUP) chunks.
 // Grid: (num_kv_heads * chunks, num_seqs, num_partitions); block: kNumThreads threads.
 template <typename T, int HEAD_SIZE, int GROUP>
-__global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
+__global__ void __launch_bounds__(kNumThreads, kMinBlocksFor<GROUP>) paged_attention_kernel(
     T* __restrict__ out,                  // [num_seqs, num_heads, head_size] (written when 1 partition)
     const T* __restrict__ query,          // [num_seqs, num_heads, head_size]
     const T* __restrict__ key_cache,      // [num_blocks, num_kv_heads, block_size, head_size]
@@ -127,10 +185,10 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
   constexpr int VEC = 16 / sizeof(T);          // elements per 16-byte load
   constexpr int LANES = HEAD_SIZE / VEC;       // threads sharing one K/V row
   constexpr int ROWS = kNumThreads / LANES;    // K/V rows in flight per step
-  // K/V rows each thread loads before computing on them; fewer for 8 heads, whose q and
-  // accumulators take most of the registers (keeps ptxas from spilling).
-  constexpr int UNROLL = GROUP >= 8 ? 2 : kUnroll;
+  constexpr int UNROLL = kUnrollFor<GROUP>;
+  constexpr int PER_HEAD = LANES / GROUP;      // lanes left holding one head's logit
   static_assert(LANES <= kWarpSize && (LANES & (LANES - 1)) == 0, "row must fit a warp");
+  static_assert(GROUP <= LANES, "each head's logit needs a lane");
 
   __shared__ float logits[GROUP][kPartitionSize];
   __shared__ float scratch[GROUP][kNumWarps];
@@ -191,10 +249,14 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
   }
   // Element offset (int64: pools may pass 2^31 elements), in either cache, of this lane's 16
   // bytes of partition token t.
+  // NOTE: shifts for a power-of-two block size (the engine's): an integer division by a runtime
+  // value is ~20 instructions, twice per row, and the GQA kernel is instruction-bound.
   auto row_offset = [&](int t) {
     const int pos = start + t;
-    return static_cast<int64_t>(table[pos / shape.block_size]) * shape.cache_stride_block +
-           static_cast<int64_t>(pos % shape.block_size) * shape.cache_stride_token + lane_offset;
+    const int block = shape.block_shift >= 0 ? pos >> shape.block_shift : pos / shape.block_size;
+    const int offset = pos - block * shape.block_size;
+    return static_cast<int64_t>(table[block]) * shape.cache_stride_block +
+           static_cast<int64_t>(offset) * shape.cache_stride_token + lane_offset;
   };
 
   float q[GROUP][VEC];  // this lane's slice of each query head, fp32, pre-scaled (0 past num_q)
@@ -206,11 +268,11 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
     for (int i = 0; i < VEC; ++i) q[g][i] = g < num_q ? to_float(q_row[i]) * scale : 0.f;
   }
 
-  // Pass 1: logits[g][t] = q_g . k_t. Trip counts and `g < num_q` are uniform across the block
-  // (the shuffles inside need every lane).
-  float max_logit[GROUP];
-#pragma unroll
-  for (int g = 0; g < GROUP; ++g) max_logit[g] = -FLT_MAX;
+  // Pass 1: logits[g][t] = q_g . k_t; this lane ends each row with head my_head's logit (heads
+  // past num_q have q = 0 and are never stored). Trip counts are uniform across the block (the
+  // shuffles inside need every lane).
+  const int my_head = lane / PER_HEAD;
+  float my_max = -FLT_MAX;
   for (int base = 0; base < n; base += ROWS * UNROLL) {
     uint4 raw[UNROLL];
 #pragma unroll
@@ -223,21 +285,23 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
       const int t = base + u * ROWS + row;
       float k[VEC];
       unpack<T>(raw[u], k);
+      float s[GROUP];
 #pragma unroll
       for (int g = 0; g < GROUP; ++g) {
-        if (g < num_q) {
-          float s = 0.f;
+        s[g] = 0.f;
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) s += q[g][i] * k[i];
-          s = group_sum<LANES>(s);
-          if (t < n) {
-            max_logit[g] = fmaxf(max_logit[g], s);
-            if (lane == 0) logits[g][t] = s;
-          }
-        }
+        for (int i = 0; i < VEC; ++i) s[g] += q[g][i] * k[i];
+      }
+      const float logit = group_sum_scatter<LANES, GROUP>(s, lane);
+      if (t < n && my_head < num_q) {
+        my_max = fmaxf(my_max, logit);
+        if (lane % PER_HEAD == 0) logits[my_head][t] = logit;
       }
     }
   }
+  float max_logit[GROUP];
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) max_logit[g] = g == my_head ? my_max : -FLT_MAX;
   block_reduce<GROUP>(max_logit, scratch, MaxOp{});  // also publishes logits[][]
 
   float exp_sum[GROUP];

@@ -59,7 +59,15 @@ struct AttentionShape {
   int64_t out_stride_seq, out_stride_head;                            // out
   int64_t cache_stride_block, cache_stride_head, cache_stride_token;  // key and value caches
   int max_context_len;  // the caller's bound on every context_lens entry (checked in the kernel)
+  int block_shift;      // log2(block_size) for a power of two (shifts, not divisions), else -1
 };
+
+// log2(block_size) when it is a power of two, else -1 (AttentionShape::block_shift).
+inline int attention_block_shift(int block_size) {
+  int shift = 0;
+  while ((1 << shift) < block_size && shift < 30) ++shift;
+  return block_size > 0 && (1 << shift) == block_size ? shift : -1;
+}
 
 cudaError_t paged_attention(void* out,                 // [num_seqs, num_heads, head_size]
                             const void* query,         // [num_seqs, num_heads, head_size]

@@ -67,7 +67,7 @@ extern "C" int sim_paged_attention(void* out, const void* query, const void* key
                                    int max_context_len, int* error_flag) {
   const AttentionShape shape{num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq, num_blocks,
                              strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], strides[6],
-                             max_context_len};
+                             max_context_len, attention_block_shift(block_size)};
   switch (dtype) {
     case 0: return run_head_size<float>(shape, out, query, key_cache, value_cache, block_tables, context_lens, shape, scale, max_context_len, error_flag);
     case 1: return run_head_size<__half>(shape, out, query, key_cache, value_cache, block_tables, context_lens, shape, scale, max_context_len, error_flag);
