@@ -39,6 +39,9 @@ __all__ = [
     "draw_tokens",
     "draw_tokens_compiled",
     "gather_cached_kv",
+    "linear_pack",
+    "linear_panels",
+    "linear_panels_available",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
@@ -174,6 +177,30 @@ def draw_tokens(logits: Tensor, temperature: Tensor, top_p: Tensor, u: Tensor) -
     else:
         reference.draw_tokens(logits, temperature, top_p, u, tokens)
     return tokens
+
+
+@functools.cache
+def linear_panels_available() -> bool:
+    """Whether the CPU fp32 panel GEMM (csrc/cpu/linear.cpp: AVX2 + FMA builds) is loaded."""
+    return backend() in ("cpu", "cuda") and bool(torch.ops.paged_serve.linear_panels_available())
+
+
+def linear_pack(weight: Tensor) -> Tensor:
+    """`weight` ([out_features, in_features] fp32, CPU) packed for :func:`linear_panels`:
+    ``[ceil(out / 16), in, 16]``, panels of 16 output columns, zero-padded."""
+    return torch.ops.paged_serve.linear_pack(weight)
+
+
+def linear_panels(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
+    """x W^T (+ bias) for x ``[..., in_features]`` fp32 on the CPU and W packed by
+    :func:`linear_pack`; the same product as ``F.linear(x, W, bias)`` up to summation order."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.ops.paged_serve.linear_panels(rows, packed, out_features)
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], out_features)
 
 
 _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

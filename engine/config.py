@@ -204,8 +204,8 @@ class EngineArgs:
             device = torch.device(self.device)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        if self.linear_kernel not in ("auto", "torch", "onednn"):
-            raise ValueError(f"linear_kernel must be one of auto, torch, onednn; got {self.linear_kernel!r}")
+        if self.linear_kernel not in ("auto", "torch", "onednn", "panels"):
+            raise ValueError(f"linear_kernel must be one of auto, torch, onednn, panels; got {self.linear_kernel!r}")
 
         path, default_name = resolve_model(self.model, self.load_format)
         hf_config = load_hf_config(path)

@@ -131,8 +131,8 @@ class ModelRunner:
             load_weights(self.model, model_config.path, model_config.load_format, model_config.seed)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.linear_kernel, why = linear_kernel.choose(self.model, model_config.linear_kernel, device, model_config.dtype)
-        if self.linear_kernel == "onednn":
-            linear_kernel.pack(self.model)
+        if self.linear_kernel in ("onednn", "panels"):
+            linear_kernel.pack(self.model, self.linear_kernel)
         logger.info("linear layers: %s (%s)", self.linear_kernel, why)
         fused = model_config.fused_ops and device.type == "cpu" and ops.backend() == "cpu"
         use_fused_ops(self.model, fused)

@@ -109,9 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                      help="auto: bfloat16 on a GPU; on a CPU bfloat16 where it is native and timed clearly faster "
                           "at start-up (logged), else float32 (HF fp32 equality)")
-    eng.add_argument("--linear-kernel", default="auto", choices=["auto", "torch", "onednn"],
+    eng.add_argument("--linear-kernel", default="auto", choices=["auto", "torch", "onednn", "panels"],
                      help="CPU matmul kernel of the linear layers: torch's F.linear (MKL), oneDNN over "
-                          "prepacked weights, or auto: whichever is faster on this CPU (timed at start-up, logged)")
+                          "prepacked weights, panels (our AVX2 kernel over weights packed in 16-column panels), "
+                          "or auto: whichever is fastest on this CPU (timed at start-up, logged)")
     eng.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
                      help="on a CPU, residual add + RMSNorm, rotary embedding and SiLU x up as compiled one-pass "
                           "ops (on by default; --no-fused-ops: torch's elementwise ops)")

@@ -7,6 +7,7 @@
 // checks.h; index tensors on a GPU are guarded by the kernels, whose reports
 // (take_device_error) become exceptions at the next call.
 
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "checks.h"
@@ -52,6 +53,10 @@ TORCH_LIBRARY(paged_serve, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  // fp32 linear layers over a weight packed into column panels (cpu/linear.cpp); CPU only.
+  m.def("linear_pack(Tensor weight) -> Tensor");
+  m.def("linear_panels(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("linear_panels_available() -> bool", &cpu::linear_panels_available);
   // The CUDA kernels' report of a bad device-resident index since the last call (a
   // cuda::ErrorCode, 0: none), reset; always 0 in a build without CUDA.
   m.def("take_device_error() -> int", &take_device_error_any);
@@ -67,6 +72,8 @@ TORCH_LIBRARY_IMPL(paged_serve, CPU, m) {
   m.impl("fused_add_rms_norm", &cpu::fused_add_rms_norm);
   m.impl("rotary_embedding", &cpu::rotary_embedding);
   m.impl("silu_and_mul", &cpu::silu_and_mul);
+  m.impl("linear_pack", &cpu::linear_pack);
+  m.impl("linear_panels", &cpu::linear_panels);
 }
 
 // The ops only write into tensors they are given, so their shape functions do nothing.
@@ -81,6 +88,12 @@ TORCH_LIBRARY_IMPL(paged_serve, Meta, m) {
   m.impl("fused_add_rms_norm", [](at::Tensor&, at::Tensor&, const at::Tensor&, double) {});
   m.impl("rotary_embedding", [](const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&) {});
   m.impl("silu_and_mul", [](at::Tensor&, const at::Tensor&) {});
+  m.impl("linear_pack", [](const at::Tensor& w) {
+    return at::empty({(w.size(0) + 15) / 16, w.size(1), 16}, w.options());
+  });
+  m.impl("linear_panels", [](const at::Tensor& x, const at::Tensor&, int64_t out_features) {
+    return at::empty({x.size(0), out_features}, x.options());
+  });
 }
 
 #ifdef PAGED_SERVE_WITH_CUDA

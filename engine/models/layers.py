@@ -14,13 +14,17 @@ from torch import nn
 
 from cuda_ext import ops
 from engine import parallel
+from engine.models.linear_kernel import PanelWeight
 
 
 def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ bias) with the kernel engine/models/linear_kernel.py chose for `layer`."""
-    if layer.packed is None:
+    packed = layer.packed
+    if packed is None:
         return F.linear(x, layer.weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, layer.packed, bias, "none", [], "")
+    if type(packed) is PanelWeight:
+        return ops.linear_panels(x, packed.panels, packed.out_features, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class ColumnParallelLinear(nn.Module):
@@ -33,7 +37,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"{out_features} output features do not split over {self.tp_size} ranks")
         self.weight = nn.Parameter(torch.empty(out_features // self.tp_size, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.packed = None  # the weight in oneDNN's layout, when linear_kernel.pack chose it
+        self.packed = None  # the weight in oneDNN's layout or a PanelWeight, when linear_kernel.pack chose it
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features // self.tp_size), requires_grad=False)

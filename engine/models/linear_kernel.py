@@ -1,19 +1,23 @@
 """Which kernel the model's linear layers multiply with on a CPU, chosen once at start-up.
 
-Two fp32 paths exist in a CPU build of torch:
+Three fp32 paths:
 
 * ``torch``: ``F.linear``, i.e. the BLAS torch was built with (MKL on x86 wheels);
 * ``onednn``: oneDNN's inner product over a weight reordered once into its blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the pair inductor's
-  weight freezing emits).
+  weight freezing emits);
+* ``panels``: our AVX2/FMA kernel over a weight packed once into 16-column panels
+  (``cuda_ext/csrc/cpu/linear.cpp``), written for the few-row products of decode steps.
 
 Which one is faster depends on the CPU, not on us: on the 2-core AMD EPYC this was written on,
-oneDNN over prepacked weights ran the SmolLM2-135M shapes 1.2-1.5x faster at 256 rows and 2-4x
-at 2-16 rows (the LM head, 49152 x 576: 24 vs 62 GFLOP/s at 16 rows), while MKL on Intel CPUs
-is often on par. So ``auto`` (the default) times both on this model's own weight shapes at a
-decode-sized batch and keeps the faster, logging both rates; ``torch`` and ``onednn`` force
-one. Both compute the same product in fp32 (they differ only in summation order, ~1e-6
-relative), so greedy output still matches HF token for token either way.
+oneDNN over prepacked weights ran the SmolLM2-135M shapes 1.2-1.5x faster than MKL at 256 rows
+and 2-4x at 2-16 rows, while MKL on Intel CPUs is often on par; on a 2-core AVX2 EPYC (Zen 3)
+the panel kernel ran 1.4x oneDNN at 16 rows and 1.1-1.3x at 32-256 (all layers, weights cold),
+and on AVX-512 CPUs oneDNN's wider kernels should win. So ``auto`` (the default) times them on
+this model's own weight shapes at a decode-sized and a prefill-sized batch and keeps the
+fastest, logging the rates; ``torch``, ``onednn`` and ``panels`` force one. All compute the
+same product in fp32 (they differ only in summation order, ~1e-6 relative), so greedy output
+still matches HF token for token either way.
 
 ``--dtype auto`` on a CPU is chosen here too (`choose_cpu_dtype`): bf16 where the CPU multiplies
 it natively and it is clearly faster on the model's shapes, fp32 otherwise.
@@ -26,17 +30,31 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cuda_ext import ops
+
 logger = logging.getLogger(__name__)
 
-KERNELS = ("auto", "torch", "onednn")
-# NOTE: rows per timed product: a decode step's batch on a small CPU server, where the two
-# kernels differ most; prefill-sized products differ by less (1.0-1.5x) and in the same way.
+KERNELS = ("auto", "torch", "onednn", "panels")
+# NOTE: rows per timed product: a decode step's batch on a small CPU server, where the
+# kernels differ most (and what the bf16 probe uses).
 PROBE_ROWS = 16
+# The kernel choice also times a prefill-sized product: a kernel that wins decodes by a little
+# must not lose prompts by a lot. Each kernel scores its time over the best at both sizes.
+PREFILL_PROBE_ROWS = 128
+
+
+@dataclass(frozen=True)
+class PanelWeight:
+    """A layer's weight packed for ``ops.linear_panels`` (the ``panels`` kernel)."""
+
+    panels: torch.Tensor  # [ceil(out / 16), in, 16] fp32
+    out_features: int
 # `--dtype auto` on a CPU takes bf16 only when it is clearly faster (`choose_cpu_dtype`): a near
 # tie keeps fp32's precision, and a wide margin keeps a noisy probe from choosing differently in
 # two processes of one machine (the tiny test models come out at ~1.2x where SmolLM2 is ~1.8x).
@@ -69,32 +87,53 @@ def linear_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "packed") and isinstance(getattr(m, "weight", None), torch.Tensor)]
 
 
+def panels_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the ``panels`` kernel runs here: fp32 on a CPU, with the compiled ops built for a
+    CPU with AVX2 and FMA."""
+    return device.type == "cpu" and dtype == torch.float32 and ops.linear_panels_available()
+
+
 def choose(model: nn.Module, setting: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
     """(kernel, reason) for a ``--linear-kernel`` setting; raises ValueError for an unknown
-    setting or ``onednn`` where it cannot run."""
+    setting, or ``onednn`` / ``panels`` where it cannot run."""
     if setting not in KERNELS:
         raise ValueError(f"linear_kernel must be one of {', '.join(KERNELS)}; got {setting!r}")
     if setting == "torch":
         return "torch", "asked for"
-    supported = onednn_supported(device, dtype)
     if setting == "onednn":
-        if not supported:
+        if not onednn_supported(device, dtype):
             raise ValueError(f"linear_kernel 'onednn' needs a CPU build of torch with oneDNN support for {dtype}")
         return "onednn", "asked for"
-    if not supported:
-        return "torch", f"oneDNN's packed linear is not available for {dtype} on {device.type}"
+    if setting == "panels":
+        if not panels_supported(device, dtype):
+            raise ValueError("linear_kernel 'panels' needs float32 on a CPU with AVX2 and FMA (and the compiled ops)")
+        return "panels", "asked for"
+    candidates = {"torch": (dtype, _torch)}
+    if onednn_supported(device, dtype):
+        candidates["onednn"] = (dtype, _onednn)
+    if panels_supported(device, dtype):
+        candidates["panels"] = (dtype, _panels)
+    if len(candidates) == 1:
+        return "torch", f"no packed linear kernel runs for {dtype} on {device.type}"
     shapes = weight_shapes(model)
-    key = (tuple(shapes), dtype, torch.get_num_threads())
+    key = (tuple(shapes), dtype, torch.get_num_threads(), tuple(candidates))
     if key not in _choices:
-        _choices[key] = _probe(shapes, dtype)
+        _choices[key] = _probe(shapes, candidates)
     return _choices[key]
 
 
-def pack(model: nn.Module) -> int:
-    """Switch every linear layer to oneDNN over a packed copy of its weight; returns how many."""
+def pack(model: nn.Module, kernel: str = "onednn") -> int:
+    """Switch every linear layer to `kernel` (``onednn`` or ``panels``) over a packed copy of
+    its weight; returns how many."""
+    if kernel not in ("onednn", "panels"):
+        raise ValueError(f"only onednn and panels pack weights, not {kernel!r}")
     layers = linear_layers(model)
     for m in layers:
-        m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+        w = m.weight.detach()
+        if kernel == "onednn":
+            m.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        else:
+            m.packed = PanelWeight(ops.linear_pack(w), w.shape[0])
         if not _is_tied(model, m):
             # NOTE: the dense copy is never read again (loading is over), so it is released.
             m.weight = nn.Parameter(torch.empty(0, dtype=m.weight.dtype, device=m.weight.device), requires_grad=False)
@@ -151,15 +190,20 @@ def _onednn(w: torch.Tensor, x: torch.Tensor):
     return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def _best_times(shapes: list[tuple[int, int]], variants: dict, repeats: int = 3) -> list[float]:
+def _panels(w: torch.Tensor, x: torch.Tensor):
+    packed = ops.linear_pack(w)
+    return lambda: ops.linear_panels(x, packed, w.shape[0])
+
+
+def _best_times(shapes: list[tuple[int, int]], variants: dict, repeats: int = 3, rows: int = PROBE_ROWS) -> list[float]:
     """Per variant (name -> (dtype, make(w, x) -> run)), the summed best time (of `repeats`) of
-    one product per shape at `PROBE_ROWS` rows, the variants interleaved."""
+    one product per shape at `rows` rows, the variants interleaved."""
     best = [0.0] * len(variants)
     # NOTE: its own generator: probing must not move the global RNG that unseeded requests use.
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for n, k in shapes:
-            w, x = torch.randn(n, k, generator=gen), torch.randn(PROBE_ROWS, k, generator=gen)
+            w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
             runs = [make(w.to(dtype), x.to(dtype)) for dtype, make in variants.values()]
             times: list[list[float]] = [[] for _ in runs]
             for _ in range(repeats):
@@ -172,15 +216,20 @@ def _best_times(shapes: list[tuple[int, int]], variants: dict, repeats: int = 3)
     return best
 
 
-def _probe(shapes: list[tuple[int, int]], dtype: torch.dtype) -> tuple[str, str]:
-    """Time F.linear against oneDNN on each shape (interleaved, best of three) and pick."""
-    t_torch, t_onednn = _best_times(shapes, {"torch": (dtype, _torch), "onednn": (dtype, _onednn)})
-    kernel = "onednn" if t_onednn < t_torch else "torch"
-    rates = _rates(shapes, {"torch": t_torch, "onednn": t_onednn})
-    return kernel, f"faster on this model's shapes at {PROBE_ROWS} rows ({rates})"
+def _probe(shapes: list[tuple[int, int]], candidates: dict) -> tuple[str, str]:
+    """Time the candidate kernels on each shape (interleaved, best of three) at a decode- and a
+    prefill-sized batch; pick the lowest sum of (time / the best time) over the two."""
+    names = list(candidates)
+    decode = _best_times(shapes, candidates, rows=PROBE_ROWS)
+    prefill = _best_times(shapes, candidates, rows=PREFILL_PROBE_ROWS)
+    score = [d / max(min(decode), 1e-12) + p / max(min(prefill), 1e-12) for d, p in zip(decode, prefill)]
+    kernel = names[score.index(min(score))]
+    rates = "; ".join(f"{rows} rows: {_rates(shapes, dict(zip(names, times)), rows)}"
+                      for rows, times in ((PROBE_ROWS, decode), (PREFILL_PROBE_ROWS, prefill)))
+    return kernel, f"fastest on this model's shapes ({rates})"
 
 
-def _rates(shapes: list[tuple[int, int]], seconds: dict[str, float]) -> str:
-    """'name N GFLOP/s, ...' for one product per shape at `PROBE_ROWS` rows taking `seconds`."""
-    flops = sum(2 * PROBE_ROWS * n * k for n, k in shapes)
+def _rates(shapes: list[tuple[int, int]], seconds: dict[str, float], rows: int = PROBE_ROWS) -> str:
+    """'name N GFLOP/s, ...' for one product per shape at `rows` rows taking `seconds`."""
+    flops = sum(2 * rows * n * k for n, k in shapes)
     return ", ".join(f"{name} {flops / max(t, 1e-9) / 1e9:.0f} GFLOP/s" for name, t in seconds.items())

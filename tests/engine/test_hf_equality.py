@@ -17,13 +17,14 @@ from engine.models.layers import FUSED_MODULES
 from engine.sampling_params import SamplingParams
 
 NEAR_TIE = 1e-4
-# NOTE: CI runs each block size once (alone: 16; batched: 1 and 32), each linear kernel once
-# (alone: the auto choice; batched: torch's F.linear and oneDNN) and both elementwise paths
-# (the compiled fused ops everywhere but the batched torch-kernel run, which takes torch's ops:
-# --no-fused-ops); the rest run with -m slow.
+# NOTE: CI runs each block size once (alone: 16; batched: 1, 16 and 32), each linear kernel
+# once (alone: the auto choice; batched: torch's F.linear, oneDNN and the panel kernel) and both
+# elementwise paths (the compiled fused ops everywhere but the batched torch-kernel run, which
+# takes torch's ops: --no-fused-ops); the rest run with -m slow.
 SLOW = pytest.mark.slow
 ALONE = [pytest.param(1, marks=SLOW), 16, pytest.param(32, marks=SLOW)]
-BATCHED = [(1, "torch", False), pytest.param(16, "auto", True, marks=SLOW), (32, "onednn", True)]
+BATCHED = [(1, "torch", False), pytest.param(16, "auto", True, marks=SLOW), (32, "onednn", True),
+           (16, "panels", True)]
 
 
 def assert_matches(ours: list[int], ref_tokens: list[int], ref_top2, label: str, near_tie: float = NEAR_TIE) -> None:
@@ -56,7 +57,10 @@ def test_batched_staggered_arrival(make_llm, hf_cases, hf_reference, block_size,
     """Prompts join a running batch two at a time, every third step."""
     if kernel == "onednn" and not linear_kernel.onednn_supported(torch.device("cpu"), torch.float32):
         pytest.skip("this torch build has no oneDNN")
+    if kernel == "panels" and not linear_kernel.panels_supported(torch.device("cpu"), torch.float32):
+        pytest.skip("the panel kernel needs AVX2 and FMA")
     engine = make_llm(block_size=block_size, linear_kernel=kernel, fused_ops=fused).engine
+    assert engine.executor.runner.linear_kernel == kernel or kernel == "auto"
     flags = {m.fused for m in engine.executor.runner.model.modules() if isinstance(m, FUSED_MODULES)}
     assert flags == {fused}, f"elementwise layers fused: {flags}, asked for {fused}"
     pending = list(enumerate(hf_cases))

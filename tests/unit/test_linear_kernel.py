@@ -49,24 +49,30 @@ class Tiny(nn.Module):
         return self.head.compute_logits(x)
 
 
-@needs_onednn
+needs_panels = pytest.mark.skipif(
+    not linear_kernel.panels_supported(CPU, torch.float32), reason="the panel kernel needs AVX2 and FMA"
+)
+PACKED_KERNELS = [pytest.param("onednn", marks=needs_onednn), pytest.param("panels", marks=needs_panels)]
+
+
+@pytest.mark.parametrize("kernel", PACKED_KERNELS)
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 16, 300])
-def test_packed_model_computes_what_f_linear_computes(tied, rows):
+def test_packed_model_computes_what_f_linear_computes(kernel, tied, rows):
     model = Tiny(tied)
     ids = torch.randint(0, 100, (rows,))
     with torch.inference_mode():
         want = model(ids)
-        assert linear_kernel.pack(model) == 5
+        assert linear_kernel.pack(model, kernel) == 5
         got = model(ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
-def test_packing_releases_dense_weights_but_a_tied_head_keeps_the_embedding_table():
+@pytest.mark.parametrize("kernel", PACKED_KERNELS)
+def test_packing_releases_dense_weights_but_a_tied_head_keeps_the_embedding_table(kernel):
     untied, tied = Tiny(False), Tiny(True)
-    linear_kernel.pack(untied)
-    linear_kernel.pack(tied)
+    linear_kernel.pack(untied, kernel)
+    linear_kernel.pack(tied, kernel)
     assert all(m.weight.numel() == 0 for m in (untied.qkv, untied.o, untied.gate_up, untied.down, untied.head))
     assert tied.head.weight is tied.embed.weight and tied.embed.weight.shape == (100, 32)
     assert tied.qkv.weight.numel() == 0 and tied.qkv.bias.shape == (64,)
@@ -79,15 +85,35 @@ def test_settings_are_validated():
         linear_kernel.choose(model, "mkl", CPU, torch.float32)
     with pytest.raises(ValueError, match="needs a CPU build"):
         linear_kernel.choose(model, "onednn", torch.device("cuda"), torch.float32)
+    with pytest.raises(ValueError, match="'panels' needs float32 on a CPU"):
+        linear_kernel.choose(model, "panels", CPU, torch.bfloat16)
+    with pytest.raises(ValueError, match="'panels' needs float32 on a CPU"):
+        linear_kernel.choose(model, "panels", torch.device("cuda"), torch.float32)
+    with pytest.raises(ValueError, match="only onednn and panels pack"):
+        linear_kernel.pack(model, "torch")
     # a GPU never probes: auto means torch there
     assert linear_kernel.choose(model, "auto", torch.device("cuda"), torch.float32)[0] == "torch"
 
 
 @needs_onednn
-def test_auto_times_both_on_the_models_shapes_and_says_so():
+@needs_panels
+def test_auto_times_every_kernel_at_decode_and_prefill_sizes_and_says_so():
+    linear_kernel._choices.clear()
     kernel, why = linear_kernel.choose(Tiny(False), "auto", CPU, torch.float32)
-    assert kernel in ("torch", "onednn")
-    assert "torch" in why and "onednn" in why and "GFLOP/s" in why
+    assert kernel in ("torch", "onednn", "panels")
+    assert f"{linear_kernel.PROBE_ROWS} rows:" in why and f"{linear_kernel.PREFILL_PROBE_ROWS} rows:" in why
+    assert all(name in why for name in ("torch", "onednn", "panels")) and "GFLOP/s" in why
+
+
+@needs_panels
+def test_auto_picks_the_lowest_score_over_both_sizes(monkeypatch):
+    """A kernel slightly slower at decode sizes but much faster at prefill sizes wins."""
+    times = {linear_kernel.PROBE_ROWS: [3.0, 1.0, 1.1], linear_kernel.PREFILL_PROBE_ROWS: [3.0, 2.0, 1.0]}
+    monkeypatch.setattr(linear_kernel, "_best_times", lambda shapes, variants, repeats=3, rows=16: times[rows])
+    names = {"torch": None, "onednn": None, "panels": None}
+    assert linear_kernel._probe([(8, 8)], names)[0] == "panels"
+    times[linear_kernel.PREFILL_PROBE_ROWS] = [3.0, 1.0, 1.05]
+    assert linear_kernel._probe([(8, 8)], names)[0] == "onednn"
 
 
 def test_engine_args_reject_an_unknown_kernel():

@@ -34,4 +34,9 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
                       const at::Tensor& sin);
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 
+// fp32 linear layers over column panels (linear.cpp); CPU only, AVX2 + FMA builds only.
+bool linear_panels_available();
+at::Tensor linear_pack(const at::Tensor& weight);
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
+
 }  // namespace paged_serve::cpu
