@@ -32,7 +32,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere in the repo
 
-from benchmarks.kernels.bench_paged_attention import Shape, batched_gather_attention, make_inputs  # noqa: E402
+from benchmarks.kernels.bench_paged_attention import (  # noqa: E402
+    Shape,
+    batched_gather_attention,
+    make_inputs,
+    median_ms,
+)
 from cuda_ext import build  # noqa: E402
 
 CUDA_DIR = build.CSRC / "cuda"
@@ -139,18 +144,6 @@ class Variant:
             raise RuntimeError(f"{self.name}: launch failed with cudaError {rc}")
 
 
-def time_ms(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", type=Path, help="a directory with other attention.cu sources, timed as 'baseline'")
@@ -205,7 +198,7 @@ def main() -> int:
                 ms.pop(name)
         for _ in range(args.rounds):  # interleaved, so drift hits every variant alike
             for name in ms:
-                ms[name].append(time_ms(calls[name], args.iters))
+                ms[name].append(median_ms(calls[name], args.iters, warmup=1, cuda=True))
         print(f"b{s.batch} x {s.context_len}, {s.num_heads}q/{s.num_kv_heads}kv, head {s.head_size}, "
               f"{str(s.dtype).removeprefix('torch.')} ({s.kv_bytes() / 1e9:.2f} GB of K/V):")
         best = min(statistics.median(v) for v in ms.values())
