@@ -165,7 +165,7 @@ int64_t take_device_error() {
 void raise_device_error(const char* op) {
   const int64_t code = take_device_error();
   PS_CHECK(code == 0, op, ": an earlier paged_serve CUDA kernel found ", error_text(static_cast<int>(code)),
-              "; the device-side inputs of that call were out of range (its bad entries were not used)");
+           "; the device-side inputs of that call were out of range (its bad entries were not used)");
 }
 
 // An index tensor's copy on `device`: one on the host is checked there first (by `check`).
@@ -204,16 +204,16 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
   raise_device_error("paged_attention");
   checks::check_attention(out, query, key_cache, value_cache, block_tables, context_lens, max_context_len);
   PS_CHECK(cuda::attention_supports_head_size(query.size(2)), "the CUDA paged_attention is built for head sizes 64 "
-              "and 128, not ", query.size(2));
+           "and 128, not ", query.size(2));
   const int64_t vec = 16 / key_cache.element_size();  // elements per 16-byte load
   PS_CHECK(aligned16(key_cache) && aligned16(value_cache) && key_cache.stride(0) % vec == 0 &&
-                  key_cache.stride(1) % vec == 0 && key_cache.stride(2) % vec == 0,
-              "paged_attention: caches must be 16-byte aligned with head_size contiguous");
+               key_cache.stride(1) % vec == 0 && key_cache.stride(2) % vec == 0,
+           "paged_attention: caches must be 16-byte aligned with head_size contiguous");
   PS_CHECK(query.size(0) <= cuda::kMaxGridYZ, "paged_attention: at most ", cuda::kMaxGridYZ,
-              " sequences per call, got ", query.size(0));
+           " sequences per call, got ", query.size(0));
   PS_CHECK(key_cache.size(0) <= INT32_MAX, "paged_attention: at most 2^31 - 1 blocks (int32 block ids)");
   PS_CHECK(max_context_len <= cuda::kMaxContextLen, "paged_attention: contexts are limited to ",
-              cuda::kMaxContextLen, " tokens, got max_context_len ", max_context_len);
+           cuda::kMaxContextLen, " tokens, got max_context_len ", max_context_len);
   check_on(query.device(), {&out, &key_cache, &value_cache}, "paged_attention");
   const c10::cuda::CUDAGuard guard(query.device());
   // Index tensors on the host are checked entry by entry (block ids where the table is too).
@@ -257,7 +257,7 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, co
   raise_device_error("copy_blocks");
   PS_CHECK(key_caches.size() == value_caches.size(), "copy_blocks: need as many value caches as key caches");
   PS_CHECK(block_mapping.scalar_type() == at::kLong && block_mapping.dim() == 2 && block_mapping.size(1) == 2,
-              "copy_blocks: block_mapping must be [num_pairs, 2] int64");
+           "copy_blocks: block_mapping must be [num_pairs, 2] int64");
   if (key_caches.empty() || block_mapping.size(0) == 0) return;
   const at::Device device = key_caches[0].device();
   const c10::cuda::CUDAGuard guard(device);
@@ -268,8 +268,8 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, co
   for (at::TensorList caches : {key_caches, value_caches}) {
     for (const at::Tensor& c : caches) {
       PS_CHECK(c.device() == device && c.is_contiguous() && aligned16(c) && c.dim() >= 1 &&
-                      c.size(0) == num_blocks && c.numel() / num_blocks * c.element_size() == block_bytes,
-                  "copy_blocks: caches must be contiguous, on one device, with one number and size of blocks");
+                   c.size(0) == num_blocks && c.numel() / num_blocks * c.element_size() == block_bytes,
+               "copy_blocks: caches must be contiguous, on one device, with one number and size of blocks");
       ptrs.push_back(reinterpret_cast<int64_t>(c.data_ptr()));
     }
   }
@@ -277,8 +277,8 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, co
   if (cache_ptrs.has_value()) {
     device_ptrs = *cache_ptrs;
     PS_CHECK(device_ptrs.device() == device && device_ptrs.scalar_type() == at::kLong && device_ptrs.dim() == 1 &&
-                    device_ptrs.numel() == static_cast<int64_t>(ptrs.size()) && device_ptrs.is_contiguous(),
-                "copy_blocks: cache_ptrs must be a contiguous [", ptrs.size(), "] int64 tensor on ", device);
+                 device_ptrs.numel() == static_cast<int64_t>(ptrs.size()) && device_ptrs.is_contiguous(),
+             "copy_blocks: cache_ptrs must be a contiguous [", ptrs.size(), "] int64 tensor on ", device);
   } else {
     device_ptrs = at::tensor(ptrs, at::kLong).to(device, /*non_blocking=*/true);
   }
@@ -294,8 +294,8 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, co
 void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
   raise_device_error("swap_blocks");
   PS_CHECK(src.scalar_type() == dst.scalar_type() && src.dim() >= 1 && src.sizes().slice(1) == dst.sizes().slice(1) &&
-                  src.is_contiguous() && dst.is_contiguous(),
-              "swap_blocks: src and dst must be contiguous with the same dtype and block shape");
+               src.is_contiguous() && dst.is_contiguous(),
+           "swap_blocks: src and dst must be contiguous with the same dtype and block shape");
   checks::check_mapping_on_host(block_mapping, src.size(0), dst.size(0), "swap_blocks");
   const at::Device device = src.is_cuda() ? src.device() : dst.device();
   const c10::cuda::CUDAGuard guard(device);

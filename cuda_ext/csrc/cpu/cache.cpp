@@ -66,7 +66,7 @@ void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const a
   const int64_t num_blocks = caches[0].dim() >= 1 ? caches[0].size(0) : 0;
   for (const at::Tensor& cache : caches) {
     PS_CHECK(cache.dim() >= 1 && cache.size(0) == num_blocks,
-                "copy_blocks: caches must be block-major [num_blocks, ...] with one number of blocks");
+             "copy_blocks: caches must be block-major [num_blocks, ...] with one number of blocks");
   }
   checks::check_mapping_on_host(block_mapping, num_blocks, num_blocks, "copy_blocks");
   const at::Tensor mapping = block_mapping.contiguous();
@@ -84,7 +84,7 @@ void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const a
 
 void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
   PS_CHECK(src.scalar_type() == dst.scalar_type() && src.sizes().slice(1) == dst.sizes().slice(1),
-              "src and dst must have the same dtype and block shape");
+           "src and dst must have the same dtype and block shape");
   PS_CHECK(src.dim() >= 1, "swap_blocks: src and dst must be block-major [num_blocks, ...]");
   checks::check_mapping_on_host(block_mapping, src.size(0), dst.size(0), "swap_blocks");
   const at::Tensor mapping = block_mapping.contiguous();

@@ -54,15 +54,15 @@ bool is_model_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFlo
 
 void check_rows(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype) {
   PS_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, op, ": ", name,
-              " must be a 2-D CPU tensor with a contiguous last dim, got ", t.sizes(), " with strides ", t.strides());
+           " must be a 2-D CPU tensor with a contiguous last dim, got ", t.sizes(), " with strides ", t.strides());
   PS_CHECK(t.scalar_type() == dtype && is_model_dtype(dtype), op, ": ", name, " must be float32, bfloat16 or "
-              "float16 like the others, got ", t.scalar_type());
+           "float16 like the others, got ", t.scalar_type());
 }
 
 void check_weight(const at::Tensor& w, int64_t dim, at::ScalarType dtype, const char* op) {
   PS_CHECK(w.device().is_cpu() && w.dim() == 1 && w.size(0) == dim && w.is_contiguous() && w.scalar_type() == dtype,
-              op, ": weight must be a contiguous [", dim, "] CPU vector of ", dtype, ", got ", w.sizes(), " ",
-              w.scalar_type());
+           op, ": weight must be a contiguous [", dim, "] CPU vector of ", dtype, ", got ", w.sizes(), " ",
+           w.scalar_type());
 }
 
 // The norms' arguments: x and `other` (out, or the residual) [rows, dim] of one model dtype,
@@ -72,7 +72,7 @@ void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& othe
   check_rows(x, op, "x", x.scalar_type());
   check_rows(other, op, other_name, x.scalar_type());
   PS_CHECK(other.sizes() == x.sizes(), op, ": ", other_name, " ", other.sizes(), " must have x's shape ",
-              x.sizes());
+           x.sizes());
   check_weight(weight, x.size(1), x.scalar_type(), op);
 }
 
@@ -171,11 +171,11 @@ void silu_mul_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride, int
 void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t head_size, at::ScalarType dtype) {
   constexpr const char* op = "rotary_embedding";
   PS_CHECK(t.device().is_cpu() && t.dim() == 3 && t.size(0) == tokens && t.size(2) == head_size &&
-                  t.stride(2) == 1,
-              op, ": ", name, " must be a [", tokens, ", heads, ", head_size, "] CPU tensor with a contiguous last "
-              "dim, got ", t.sizes(), " with strides ", t.strides());
+               t.stride(2) == 1,
+           op, ": ", name, " must be a [", tokens, ", heads, ", head_size, "] CPU tensor with a contiguous last "
+           "dim, got ", t.sizes(), " with strides ", t.strides());
   PS_CHECK(t.scalar_type() == dtype && is_model_dtype(dtype), op, ": query and key must share one dtype of "
-              "float32, bfloat16, float16, got ", t.scalar_type(), " and ", dtype);
+           "float32, bfloat16, float16, got ", t.scalar_type(), " and ", dtype);
 }
 
 }  // namespace
@@ -203,14 +203,14 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
   constexpr const char* op = "rotary_embedding";
   const at::ScalarType table = cos.scalar_type();
   PS_CHECK(cos.device().is_cpu() && cos.dim() == 2 && cos.is_contiguous() && sin.device().is_cpu() &&
-                  sin.sizes() == cos.sizes() && sin.is_contiguous() && sin.scalar_type() == table &&
-                  (table == at::kFloat || table == query.scalar_type()),
-              op, ": cos and sin must be contiguous [max_positions, head_size] CPU tensors of float32 or the "
-              "query's dtype");
+               sin.sizes() == cos.sizes() && sin.is_contiguous() && sin.scalar_type() == table &&
+               (table == at::kFloat || table == query.scalar_type()),
+           op, ": cos and sin must be contiguous [max_positions, head_size] CPU tensors of float32 or the "
+           "query's dtype");
   const int64_t head_size = cos.size(1), max_pos = cos.size(0);
   PS_CHECK(head_size > 0 && head_size % 2 == 0, op, ": head_size must be even, got ", head_size);
   PS_CHECK(positions.device().is_cpu() && positions.dim() == 1 && positions.scalar_type() == at::kLong, op,
-              ": positions must be a [tokens] int64 CPU tensor");
+           ": positions must be a [tokens] int64 CPU tensor");
   const int64_t tokens = positions.numel();
   check_heads(query, "query", tokens, head_size, query.scalar_type());
   check_heads(key, "key", tokens, head_size, query.scalar_type());
@@ -235,7 +235,7 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   check_rows(x, op, "x", x.scalar_type());
   check_rows(out, op, "out", x.scalar_type());
   PS_CHECK(x.size(1) % 2 == 0 && out.size(0) == x.size(0) && out.size(1) * 2 == x.size(1), op,
-              ": x must be [rows, 2 * d] and out [rows, d], got ", x.sizes(), " and ", out.sizes());
+           ": x must be [rows, 2 * d] and out [rows, d], got ", x.sizes(), " and ", out.sizes());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "silu_and_mul_cpu", [&] {
     silu_mul_rows<scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), x.const_data_ptr<scalar_t>(), x.stride(0),
                             x.size(0), out.size(1));

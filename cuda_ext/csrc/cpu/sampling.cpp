@@ -48,7 +48,7 @@ inline float exp_nonpositive(float x) {
 
 void check_vector(const at::Tensor& t, const char* name, int64_t rows, at::ScalarType type) {
   PS_CHECK(t.device().is_cpu() && t.dim() == 1 && t.size(0) == rows && t.is_contiguous() && t.scalar_type() == type,
-              "draw_tokens: ", name, " must be a contiguous CPU vector of ", rows, " ", type);
+           "draw_tokens: ", name, " must be a contiguous CPU vector of ", rows, " ", type);
 }
 
 }  // namespace
@@ -56,8 +56,8 @@ void check_vector(const at::Tensor& t, const char* name, int64_t rows, at::Scala
 void draw_tokens(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_p,
                  const at::Tensor& u, at::Tensor& tokens) {
   PS_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
-                  logits.stride(1) == 1,
-              "draw_tokens: logits must be a [rows, vocab] float32 CPU tensor with a contiguous last dim");
+               logits.stride(1) == 1,
+           "draw_tokens: logits must be a [rows, vocab] float32 CPU tensor with a contiguous last dim");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   PS_CHECK(vocab > 0 || rows == 0, "draw_tokens: empty vocabulary");
   check_vector(temperature, "temperature", rows, at::kFloat);
