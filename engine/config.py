@@ -44,7 +44,7 @@ class ModelConfig:
     load_format: str  # "auto" | "dummy"
     served_model_name: str
     seed: int
-    linear_kernel: str = "auto"  # engine/models/linear_kernel.py: auto | torch | onednn
+    linear_kernel: str = "auto"  # engine/models/linear_kernel.py: auto | torch | onednn | panels
     fused_ops: bool = True  # the compiled one-pass RMSNorm / rotary / SiLU*up on CPU tensors
 
     @property
@@ -152,7 +152,7 @@ class EngineArgs:
     served_model_name: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA; on a CPU bf16 where native and faster, else float32
-    linear_kernel: str = "auto"  # auto: the faster of torch / oneDNN here (engine/models/linear_kernel.py)
+    linear_kernel: str = "auto"  # auto: the fastest of torch / oneDNN / panels here (engine/models/linear_kernel.py)
     fused_ops: bool = True  # CPU: residual+RMSNorm, rotary, SiLU*up as compiled one-pass ops (False: torch's)
     device: str = "auto"
     load_format: str = "auto"
@@ -204,8 +204,9 @@ class EngineArgs:
             device = torch.device(self.device)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        if self.linear_kernel not in ("auto", "torch", "onednn", "panels"):
-            raise ValueError(f"linear_kernel must be one of auto, torch, onednn, panels; got {self.linear_kernel!r}")
+        if self.linear_kernel not in linear_kernel.KERNELS:
+            raise ValueError(f"linear_kernel must be one of {', '.join(linear_kernel.KERNELS)}; "
+                             f"got {self.linear_kernel!r}")
 
         path, default_name = resolve_model(self.model, self.load_format)
         hf_config = load_hf_config(path)

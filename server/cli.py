@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from engine.config import SCHEDULING_POLICIES, EngineArgs, parse_size
+from engine.models.linear_kernel import KERNELS as LINEAR_KERNELS
 from server.settings import ServerSettings
 
 API_KEY_ENV = "PAGED_SERVE_API_KEY"
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                      help="auto: bfloat16 on a GPU; on a CPU bfloat16 where it is native and timed clearly faster "
                           "at start-up (logged), else float32 (HF fp32 equality)")
-    eng.add_argument("--linear-kernel", default="auto", choices=["auto", "torch", "onednn", "panels"],
+    eng.add_argument("--linear-kernel", default="auto", choices=list(LINEAR_KERNELS),
                      help="CPU matmul kernel of the linear layers: torch's F.linear (MKL), oneDNN over "
                           "prepacked weights, panels (our AVX2 kernel over weights packed in 16-column panels), "
                           "or auto: whichever is fastest on this CPU (timed at start-up, logged)")

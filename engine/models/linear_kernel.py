@@ -47,6 +47,11 @@ PROBE_ROWS = 16
 # The kernel choice also times a prefill-sized product: a kernel that wins decodes by a little
 # must not lose prompts by a lot. Each kernel scores its time over the best at both sizes.
 PREFILL_PROBE_ROWS = 128
+# `--dtype auto` on a CPU takes bf16 only when it is clearly faster (`choose_cpu_dtype`): a near
+# tie keeps fp32's precision, and a wide margin keeps a noisy probe from choosing differently in
+# two processes of one machine (the tiny test models come out at ~1.2x where SmolLM2 is ~1.8x).
+BF16_MIN_SPEEDUP = 1.5
+_choices: dict[tuple, tuple[str, str]] = {}  # per process: probed shapes -> (kernel, why)
 
 
 @dataclass(frozen=True)
@@ -55,11 +60,6 @@ class PanelWeight:
 
     panels: torch.Tensor  # [ceil(out / 16), in, 16] fp32
     out_features: int
-# `--dtype auto` on a CPU takes bf16 only when it is clearly faster (`choose_cpu_dtype`): a near
-# tie keeps fp32's precision, and a wide margin keeps a noisy probe from choosing differently in
-# two processes of one machine (the tiny test models come out at ~1.2x where SmolLM2 is ~1.8x).
-BF16_MIN_SPEEDUP = 1.5
-_choices: dict[tuple, tuple[str, str]] = {}  # per process: probed shapes -> (kernel, why)
 
 
 def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:

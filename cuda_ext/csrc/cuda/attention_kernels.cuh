@@ -60,8 +60,7 @@ constexpr int kNumWarps = kNumThreads / kWarpSize;
 #define PAGED_SERVE_ATTN_MIN_BLOCKS_8 4
 #endif
 
-// K/V rows each thread loads before it computes on them; fewer for 8 heads, whose q and
-// accumulators take most of the registers (keeps ptxas from spilling).
+// K/V rows each thread loads before it computes on them, and blocks per SM, per GROUP.
 template <int GROUP>
 constexpr int kUnrollFor =
     GROUP >= 8 ? PAGED_SERVE_ATTN_UNROLL_8 : GROUP >= 4 ? PAGED_SERVE_ATTN_UNROLL_4 : PAGED_SERVE_ATTN_UNROLL_1;
@@ -188,7 +187,6 @@ __global__ void __launch_bounds__(kNumThreads, kMinBlocksFor<GROUP>) paged_atten
   constexpr int UNROLL = kUnrollFor<GROUP>;
   constexpr int PER_HEAD = LANES / GROUP;      // lanes left holding one head's logit
   static_assert(LANES <= kWarpSize && (LANES & (LANES - 1)) == 0, "row must fit a warp");
-  static_assert(GROUP <= LANES, "each head's logit needs a lane");
 
   __shared__ float logits[GROUP][kPartitionSize];
   __shared__ float scratch[GROUP][kNumWarps];
