@@ -104,6 +104,28 @@ def test_empty_context_gives_zeros(device):
     torch.testing.assert_close(out[1], torch.full_like(out[1], 2.0))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_size", [32, 64, 128])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads", [(8, 4), (32, 1), (80, 1)], ids=lambda h: f"h{h[0]}kv{h[1]}")
+def test_cpu_tiles_of_eight_tokens(dtype, head_size, block_size, heads):
+    """The CPU kernel's AVX2 path (rows of up to 256 bytes) reads 8 tokens at a time and runs
+    one prefetch stream across a thread's tasks: contexts around a tile's end, many sequences
+    (a thread's next task), head 32 (not built for CUDA), a group of 32, and 80 heads on one
+    KV head (past the path's 64: the plain loops)."""
+    num_heads, num_kv_heads = heads
+    lens = [1, 7, 8, 9, 15, 17, 100, 3, 64, 31]
+    gen = torch.Generator().manual_seed(head_size * 1000 + block_size + num_heads)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    key_cache, value_cache = poisoned_caches(num_blocks, num_kv_heads, block_size, head_size, dtype, "cpu")
+    tables = random_block_tables(lens, block_size, num_blocks, gen)
+    fill_caches(key_cache, value_cache, tables, lens, gen)
+    query = torch.randn(len(lens), num_heads, head_size, generator=gen).to(dtype)
+    out, expected = run_both(query, key_cache, value_cache, tables, lens, head_size**-0.5)
+    assert not out.isnan().any(), "read a slot outside some sequence's context"
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
 def test_head_size_outside_instantiations_runs_on_cpu():
     """The CPU kernel has a generic path for head sizes it does not specialise."""
     gen = torch.Generator().manual_seed(2)
