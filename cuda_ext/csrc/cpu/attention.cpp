@@ -89,6 +89,20 @@ inline void prefetch_row(const T* row, int row_len) {
 // under FLT_MIN) it returns e^-87, which the softmax sum makes 0 in effect.
 inline float exp_nonpositive(float x) { return exp_poly(std::max(x, -87.0f)); }
 
+// l[t] = e^(l[t] - max l) in place, for t < n; returns 1 / their sum (the softmax's scale).
+inline float exp_less_max(float* l, int n) {
+  float max_logit = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max_logit)
+  for (int t = 0; t < n; ++t) max_logit = std::max(max_logit, l[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int t = 0; t < n; ++t) {
+    l[t] = exp_nonpositive(l[t] - max_logit);
+    sum += l[t];
+  }
+  return 1.f / sum;
+}
+
 template <int N>
 inline float dot(const float* a, const float* b, int n) {
   const int len = N > 0 ? N : n;
@@ -152,19 +166,7 @@ void attend_one(const AttentionArgs& a, int seq, int kv_head, T* out, const T* q
 
   // Softmax per query head, in fp32.
   std::vector<float> inv_sum(group);
-  for (int g = 0; g < group; ++g) {
-    float* l = &logits[g * context_len];
-    float max_logit = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : max_logit)
-    for (int t = 0; t < context_len; ++t) max_logit = std::max(max_logit, l[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int t = 0; t < context_len; ++t) {
-      l[t] = exp_nonpositive(l[t] - max_logit);
-      sum += l[t];
-    }
-    inv_sum[g] = 1.f / sum;
-  }
+  for (int g = 0; g < group; ++g) inv_sum[g] = exp_less_max(&logits[g * context_len], context_len);
 
   // Pass 2: acc[g] = sum_t p[g, t] * v_t.
   for (int t = 0; t < std::min(kPrefetchTokens, context_len); ++t) prefetch_token(value_cache, t);
@@ -319,16 +321,7 @@ void attend_one_avx2(const AttentionArgs& a, int seq, const TaskRows<T>& task, c
   float inv_sum[64];  // NOTE: group <= 64 is checked by the caller
   for (int g = 0; g < group; ++g) {
     float* l = logits + g * padded;
-    float max_logit = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : max_logit)
-    for (int t = 0; t < context_len; ++t) max_logit = std::max(max_logit, l[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int t = 0; t < context_len; ++t) {
-      l[t] = exp_nonpositive(l[t] - max_logit);
-      sum += l[t];
-    }
-    inv_sum[g] = 1.f / sum;
+    inv_sum[g] = exp_less_max(l, context_len);
     for (int t = context_len; t < padded; ++t) l[t] = 0.f;  // the tail tile's extra rows weigh 0
   }
 
