@@ -111,8 +111,8 @@ def test_empty_context_gives_zeros(device):
 def test_cpu_tiles_of_eight_tokens(dtype, head_size, block_size, heads):
     """The CPU kernel's AVX2 path (rows of up to 256 bytes) reads 8 tokens at a time and runs
     one prefetch stream across a thread's tasks: contexts around a tile's end, many sequences
-    (a thread's next task), head 32 (not built for CUDA), a group of 32, and 80 heads on one
-    KV head (past the path's 64: the plain loops)."""
+    (a thread's next task), head 32 (not built for CUDA), and groups of 32 and 80 query heads
+    on one KV head (fp32 head 128 takes the plain loops)."""
     num_heads, num_kv_heads = heads
     lens = [1, 7, 8, 9, 15, 17, 100, 3, 64, 31]
     gen = torch.Generator().manual_seed(head_size * 1000 + block_size + num_heads)

@@ -223,7 +223,7 @@ constexpr int kTile = 8;  // tokens per step of both passes
 
 // Scratch reused by every task a thread runs, instead of vectors allocated per task.
 struct Scratch {
-  std::vector<float> q, logits;
+  std::vector<float> q, logits, inv_sum;
 };
 inline Scratch& scratch() {
   thread_local Scratch s;
@@ -243,7 +243,7 @@ struct TaskRows {
   const T* key_cache;
   const T* value_cache;
   const int* block_table;
-  int kv_head, context_len;
+  int seq, kv_head, context_len;
   const T* row(const T* cache, int t) const {
     return cache + block_table[t / a->block_size] * a->cache_stride_block + kv_head * a->cache_stride_head +
            (t % a->block_size) * a->cache_stride_token;
@@ -265,15 +265,13 @@ template <typename T, int D>
 constexpr int kAheadRows = 8192 / (D * static_cast<int>(sizeof(T)));
 
 template <typename T, int D>
-void attend_one_avx2(const AttentionArgs& a, int seq, const TaskRows<T>& task, const TaskRows<T>* next,
-                     T* out, const T* query) {
-  const int kv_head = task.kv_head, context_len = task.context_len;
-  const T* key_cache = task.key_cache;
-  const T* value_cache = task.value_cache;
+void attend_one_avx2(const AttentionArgs& a, const TaskRows<T>& task, const TaskRows<T>* next, T* out,
+                     const T* query) {
+  const int seq = task.seq, context_len = task.context_len;
   static_assert(D % 8 == 0, "the AVX2 path takes whole vectors");
   constexpr int V = D / 8;  // vectors per row
   const int group = a.num_heads / a.num_kv_heads;
-  const int first_head = kv_head * group;
+  const int first_head = task.kv_head * group;
   auto out_row = [&](int g) { return out + seq * a.out_stride_seq + (first_head + g) * a.out_stride_head; };
   if (context_len == 0) {
     for (int g = 0; g < group; ++g) std::fill(out_row(g), out_row(g) + D, T(0.f));
@@ -284,13 +282,14 @@ void attend_one_avx2(const AttentionArgs& a, int seq, const TaskRows<T>& task, c
   const int padded = (context_len + kTile - 1) / kTile * kTile;
   s.q.resize(static_cast<size_t>(group) * D);
   s.logits.resize(static_cast<size_t>(group) * padded);
+  s.inv_sum.resize(group);
   float* q = s.q.data();
   float* logits = s.logits.data();
+  float* inv_sum = s.inv_sum.data();
   for (int g = 0; g < group; ++g) {
     const T* src = query + seq * a.q_stride_seq + (first_head + g) * a.q_stride_head;
     for (int i = 0; i < D; ++i) q[g * D + i] = static_cast<float>(src[i]) * a.scale;
   }
-  auto row = [&](const T* cache, int t) { return task.row(cache, t); };
   // the n-th row of this task's stream (K then V), then of the next task's
   auto prefetch_nth = [&](int n) {
     const T* r = n < 2 * context_len ? task.nth(n) : (next != nullptr ? next->nth(n - 2 * context_len) : nullptr);
@@ -303,7 +302,7 @@ void attend_one_avx2(const AttentionArgs& a, int seq, const TaskRows<T>& task, c
   for (int t0 = 0; t0 < context_len; t0 += kTile) {
     for (int i = 0; i < kTile; ++i) {
       if (t0 + i < context_len) prefetch_nth(t0 + i + kAheadRows<T, D>);
-      rows[i] = row(key_cache, std::min(t0 + i, context_len - 1));
+      rows[i] = task.row(task.key_cache, std::min(t0 + i, context_len - 1));
     }
     for (int g = 0; g < group; ++g) {
       const float* qg = q + g * D;
@@ -318,7 +317,6 @@ void attend_one_avx2(const AttentionArgs& a, int seq, const TaskRows<T>& task, c
   }
 
   // Softmax per query head, in fp32 (as above).
-  float inv_sum[64];  // NOTE: group <= 64 is checked by the caller
   for (int g = 0; g < group; ++g) {
     float* l = logits + g * padded;
     inv_sum[g] = exp_less_max(l, context_len);
@@ -335,7 +333,7 @@ void attend_one_avx2(const AttentionArgs& a, int seq, const TaskRows<T>& task, c
   for (int t0 = 0; t0 < context_len; t0 += kTile) {
     for (int i = 0; i < kTile; ++i) {
       if (t0 + i < context_len) prefetch_nth(context_len + t0 + i + kAheadRows<T, D>);
-      rows[i] = row(value_cache, std::min(t0 + i, context_len - 1));
+      rows[i] = task.row(task.value_cache, std::min(t0 + i, context_len - 1));
     }
     for (int g = 0; g < group; ++g) {
       const float* p = logits + g * padded + t0;
@@ -365,33 +363,30 @@ void paged_attention_impl(const AttentionArgs& a, int num_seqs, T* out, const T*
                           const int* context_lens) {
   const int64_t num_tasks = static_cast<int64_t>(num_seqs) * a.num_kv_heads;
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+#if PAGED_SERVE_ATTENTION_AVX2
+    if constexpr (kAvx2Rows<T, HEAD_SIZE>) {
+      auto rows_of = [&](int64_t task) {
+        const int seq = static_cast<int>(task / a.num_kv_heads);
+        return TaskRows<T>{&a, key_cache, value_cache, block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq,
+                           seq, static_cast<int>(task % a.num_kv_heads), context_lens[seq]};
+      };
+      // the stream's first rows; every later task's come with the task before it
+      TaskRows<T> here = rows_of(begin);
+      for (int n = 0; n < std::min(kAheadRows<T, HEAD_SIZE>, 2 * here.context_len); ++n)
+        prefetch_row(here.nth(n), HEAD_SIZE);
+      for (int64_t task = begin; task < end; ++task) {
+        const bool last = task + 1 == end;
+        const TaskRows<T> next = last ? here : rows_of(task + 1);
+        attend_one_avx2<T, HEAD_SIZE>(a, here, last ? nullptr : &next, out, query);
+        here = next;
+      }
+      return;
+    }
+#endif
     for (int64_t task = begin; task < end; ++task) {
       const int seq = static_cast<int>(task / a.num_kv_heads);
-      const int kv_head = static_cast<int>(task % a.num_kv_heads);
-      const int* table = block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
-#if PAGED_SERVE_ATTENTION_AVX2
-      if constexpr (kAvx2Rows<T, HEAD_SIZE>) {
-        if (a.num_heads / a.num_kv_heads <= 64) {
-          auto rows_of = [&](int64_t t) {
-            const int s = static_cast<int>(t / a.num_kv_heads);
-            return TaskRows<T>{&a, key_cache, value_cache, block_tables + static_cast<int64_t>(s) * a.max_blocks_per_seq,
-                               static_cast<int>(t % a.num_kv_heads), context_lens[s]};
-          };
-          const TaskRows<T> here = rows_of(task);
-          if (task == begin)  // the stream's first rows (later tasks' came with the previous task)
-            for (int n = 0; n < std::min(kAheadRows<T, HEAD_SIZE>, 2 * here.context_len); ++n)
-              prefetch_row(here.nth(n), HEAD_SIZE);
-          if (task + 1 < end) {
-            const TaskRows<T> next = rows_of(task + 1);
-            attend_one_avx2<T, HEAD_SIZE>(a, seq, here, &next, out, query);
-          } else {
-            attend_one_avx2<T, HEAD_SIZE>(a, seq, here, nullptr, out, query);
-          }
-          continue;
-        }
-      }
-#endif
-      attend_one<T, HEAD_SIZE>(a, seq, kv_head, out, query, key_cache, value_cache, table, context_lens[seq]);
+      attend_one<T, HEAD_SIZE>(a, seq, static_cast<int>(task % a.num_kv_heads), out, query, key_cache, value_cache,
+                               block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq, context_lens[seq]);
     }
   });
 }
