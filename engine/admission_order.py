@@ -11,6 +11,11 @@ the queue; the rest follow in arrival order). When many prompts arrive together,
 get their first token after their own prefill, not after every longer prompt ahead of them:
 shortest job first minimises the mean and median wait.
 
+The same holds for chunked prefill (shortest remaining first): under shortest-prompt a running
+request part way through a prompt longer than the shortest fresh one takes its next chunk
+after step (2) (`chunks_after`), so a short prompt that arrives while a long one is being
+prefilled is not queued behind the long one's remaining chunks.
+
 Why a long prompt is not starved: the scheduler's liveness bound never used the order among
 requests other than the oldest. Step (0) brings the oldest request in whatever its length, and
 step (1) runs it first, so a request finishes within W steps of becoming the oldest, as under
@@ -54,3 +59,16 @@ def admission_queue(policy: str, window: int, swapped: Iterable[SequenceGroup], 
     resumed.sort(key=_priority)
     fresh.sort(key=_prompt_first)
     return resumed + fresh + [g for g in later if not g.num_preemptions]
+
+
+def chunks_after(policy: str, queue: list[SequenceGroup]) -> int | None:
+    """How many uncomputed prompt tokens a running request's next chunk may have and still go
+    before step (2)'s admissions (`StepPlan.schedule_chunks`' `defer_over`): under
+    shortest-prompt the length of the shortest fresh prompt in `queue` (its first fresh one);
+    None (every chunk first) under fcfs or when no fresh request waits."""
+    if policy == "fcfs":
+        return None
+    for group in queue:
+        if not group.num_preemptions:  # NOTE: fresh, as in admission_queue
+            return len(group.prompt_token_ids)
+    return None

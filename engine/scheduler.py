@@ -63,7 +63,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from engine.admission_order import admission_queue
+from engine.admission_order import admission_queue, chunks_after
 from engine.block_manager import AdmissionPlan, AllocStatus, BlockManager
 from engine.config import SchedulerConfig
 from engine.kv_view import KvEventLog
@@ -188,22 +188,26 @@ class Scheduler:
         # (NOTE: none when every running sequence already has its slot, the common decode step).
         for group in self.running:
             step.schedule_group(group, decode=True, prefill=group is oldest, oldest=group is oldest)
-        if len(step.scheduled) < num_running and step.tokens >= 1:
-            step.schedule_chunks(self.running, oldest)
-
-        # (2) Leads that are out come in (admission_order.py). `parked`: the running requests with a
-        # waiting sequence (a parked lead or extra), looked up again if (2) brings any in.
-        parked = []  # NOTE: a whole request preempted means (3) does not run either
+        # `parked`: the running requests with a waiting sequence (a parked lead or extra), looked
+        # up again if (2) brings any in. NOTE: a whole request preempted means (2) and (3) do not run.
+        parked, queue = [], []
         if not lead_preempted:
             parked = [g for g in self.running if has_waiting(g)]
             parked_leads = [g for g in parked if not self._lead_running(g)]
             queue = admission_queue(self.config.scheduling_policy, self.config.max_num_seqs, self.swapped,
                                     self.waiting, parked_leads)
-            for group in queue:
-                if not self._bring_in(group, step, preempt=False):
-                    break
-            if queue:
-                parked = [g for g in self.running if has_waiting(g)]
+        deferred = []
+        if len(step.scheduled) < num_running and step.tokens >= 1:
+            deferred = step.schedule_chunks(self.running, oldest, chunks_after(self.config.scheduling_policy, queue))
+
+        # (2) Leads that are out come in (admission_order.py), then the chunks deferred behind them.
+        for group in queue:
+            if not self._bring_in(group, step, preempt=False):
+                break
+        if deferred:
+            step.schedule_chunks(deferred, oldest)
+        if queue:
+            parked = [g for g in self.running if has_waiting(g)]
 
         # (3) Parked extras come back into spare room.
         if not step.out.preempted:

@@ -187,12 +187,20 @@ class StepPlan:
                     self._add(ScheduledSeq(seq, group, n, True, self.block_manager.tables[seq.seq_id],
                                            samples=n == seq.num_uncomputed_tokens))
 
-    def schedule_chunks(self, running: list[SequenceGroup], oldest: SequenceGroup | None) -> None:
+    def schedule_chunks(self, running: list[SequenceGroup], oldest: SequenceGroup | None,
+                        defer_over: int | None = None) -> list[SequenceGroup]:
         """After the decodes: the prefill chunks of `running` requests (but `oldest`, scheduled
-        first) that still have a running sequence with nothing scheduled, in order."""
+        first) that still have a running sequence with nothing scheduled, in order. With
+        `defer_over`, a request with more uncomputed tokens than that is skipped and returned
+        (shortest-prompt: it goes after the shorter fresh prompts)."""
+        deferred = []
         for group in running:
             if group is not oldest and self.has_unscheduled(group):
-                self.schedule_group(group, decode=False, prefill=True)
+                if defer_over is not None and group.seqs[0].num_uncomputed_tokens > defer_over:
+                    deferred.append(group)
+                else:
+                    self.schedule_group(group, decode=False, prefill=True)
+        return deferred
 
     def has_unscheduled(self, group: SequenceGroup) -> bool:
         """Whether a running sequence of the group has nothing scheduled this step."""
@@ -222,6 +230,12 @@ class StepPlan:
         if self.prefill_left is None:
             context = sum(s.context_tokens for s in self.decodes)
             fits = cap.cost.prefill_tokens_within(cap.step_s, len(self.decodes), context)
+            # NOTE: decodes that alone take half the target or more: a cap would spread each
+            # prompt over twice as many steps or more, moving its wait into TTFT while the
+            # streams' gaps stay near the decodes' own time (at 64 streams on a 2-core CPU it
+            # raised ITL p50 and second-wave TTFT, ITL p99 unchanged; docs/using.md).
+            if fits is not None and cap.cost.predict(len(self.decodes), 0, context) >= cap.step_s / 2:
+                fits = None
             if fits is not None:
                 fits = max(fits, cap.floor)
                 # NOTE: a backlog that capped steps clear only after wait_s: the cap would
@@ -230,7 +244,7 @@ class StepPlan:
                     limit = int(fits * cap.wait_s / cap.step_s)
                     if cap.backlog(limit) > limit:
                         fits = None
-            if fits is None:  # the cost model is still learning, or the backlog is long: no cap
+            if fits is None:  # still learning, the decodes alone near the target, or a long backlog: no cap
                 self.cap = None
                 return self.tokens
             already = sum(s.num_tokens for s in self.prefills)

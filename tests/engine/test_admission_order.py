@@ -95,3 +95,28 @@ def test_shortest_prompt_admits_a_short_prompt_past_a_long_one_that_does_not_fit
     for _ in range(20):
         fake_step(sched)
     assert not sched.has_unfinished() and sched.block_manager.device.num_free == 64
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "shortest-prompt"])
+def test_a_short_prompt_goes_before_a_long_prompts_remaining_chunks(policy):
+    """A 40-token prompt is part way through its chunks (16-token budget) when a 6-token one
+    arrives. Under shortest-prompt the short prompt takes the next step's budget first and
+    samples in it (shortest remaining first); under fcfs the long one's chunk goes first and
+    the short one gets a partial chunk. The oldest request still runs every step, and the pool
+    ends free."""
+    sched = make_scheduler(policy)
+    sched.add(group("oldest", 4, 0.0, max_tokens=12))
+    sched.add(group("long", 40, 1.0))
+    out, _ = fake_step(sched)
+    assert {s.group.request_id: s.num_tokens for s in out.scheduled} == {"oldest": 4, "long": 12}
+    sched.add(group("short", 6, 2.0))
+    out, _ = fake_step(sched)
+    chunks = [(s.group.request_id, s.num_tokens, s.samples) for s in out.scheduled if s.is_prefill]
+    if policy == "fcfs":  # 15 after the oldest's decode: long to a block boundary, short the rest
+        assert chunks == [("long", 12, False), ("short", 3, False)]
+    else:  # short whole, then long's chunk to a block boundary (12 + 9 -> 20)
+        assert chunks == [("short", 6, True), ("long", 8, False)]
+    assert "oldest" in {s.group.request_id for s in out.scheduled}
+    for _ in range(30):
+        fake_step(sched)
+    assert not sched.has_unfinished() and sched.block_manager.device.num_free == 64

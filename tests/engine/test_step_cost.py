@@ -17,15 +17,16 @@ from tests.engine.test_scheduler import fake_step, group
 A, B, C, D = 0.010, 0.001, 0.0005, 0.002
 
 
-def seconds(decodes: int, prefill: int, context: int = 0) -> float:
-    return A + B * decodes + C * prefill + D * context / 1000
+def seconds(decodes: int, prefill: int, context: int = 0, c: float = C) -> float:
+    return A + B * decodes + c * prefill + D * context / 1000
 
 
-def trained(cost: StepCost, steps: int = 40, noise: float = 0.0, seed: int = 0) -> StepCost:
+def trained(cost: StepCost, steps: int = 40, noise: float = 0.0, seed: int = 0, c: float = C) -> StepCost:
+    """`cost` fitted to `steps` random steps timed by `seconds` (`c`: seconds a prefill token)."""
     rng = random.Random(seed)
     for _ in range(steps):
         d, p, k = rng.randint(1, 16), rng.choice([0, 0, rng.randint(1, 256)]), rng.randint(0, 8000)
-        cost.observe(d, p, k, seconds(d, p, k) * (1 + rng.uniform(-noise, noise)))
+        cost.observe(d, p, k, seconds(d, p, k, c) * (1 + rng.uniform(-noise, noise)))
     return cost
 
 
@@ -81,7 +82,7 @@ def test_decay_must_be_a_fraction(decay):
 
 
 # ------------------------------------------------------------------ the scheduler's cap
-def capped_scheduler(itl_ms: float | None = 20.5, ttft_ms: float | None = 1000.0, train: bool = True):
+def capped_scheduler(itl_ms: float | None = 32.5, ttft_ms: float | None = 1000.0, train: bool = True):
     """Block size 4, 8 sequences, a 64-token budget, chunked prefill, a clock we move by hand."""
     now = [0.0]
     cfg = SchedulerConfig(8, 64, 64, "swap", 8, enable_chunked_prefill=True, target_itl_ms=itl_ms,
@@ -105,15 +106,15 @@ def chunks(out) -> dict[str, int]:
 
 
 def test_a_new_prompt_beside_decodes_is_cut_to_the_step_time():
-    # 4 decodes (14.03 ms with their context) leave 6.47 ms under the 20.5 ms target: 12 tokens
+    # 4 decodes (14.03 ms with their context) leave 18.47 ms under the 32.5 ms target: 36 tokens
     sched, now = capped_scheduler()
     decoding(sched, now)
     now[0] = 0.5
-    sched.add(group("e", 40, t=0.5, first=900))
+    sched.add(group("e", 80, t=0.5, first=900))
     out, _ = fake_step(sched)
-    assert chunks(out) == {"e": 12} and len(out.scheduled) == 5
+    assert chunks(out) == {"e": 36} and len(out.scheduled) == 5
     out, _ = fake_step(sched)  # the next chunk too, and the decodes every step
-    assert chunks(out) == {"e": 12} and len(out.scheduled) == 5
+    assert chunks(out) == {"e": 36} and len(out.scheduled) == 5
 
 
 @pytest.mark.parametrize("kwargs", [{"itl_ms": None}, {"train": False}], ids=["no target", "untrained"])
@@ -136,11 +137,11 @@ def test_a_request_that_has_waited_past_the_ttft_target_is_not_cut():
 
 
 def test_a_backlog_the_cap_would_clear_too_late_lifts_it():
-    # capped, 12 tokens a 20.5 ms step: within 100 ms the cap clears 58 tokens; 80 wait
+    # capped, 36 tokens a 32.5 ms step: within 100 ms the cap clears 110 tokens; 120 wait
     sched, now = capped_scheduler(ttft_ms=100.0)
     decoding(sched, now)
     sched.add(group("e", 40, t=0.5, first=900))
-    sched.add(group("f", 40, t=0.5, first=1000))
+    sched.add(group("f", 80, t=0.5, first=1000))
     now[0] = 0.5
     out, _ = fake_step(sched)
     assert chunks(out) == {"e": 40, "f": 20}  # the whole budget: 64 - 4 decodes
@@ -150,12 +151,14 @@ def test_a_backlog_the_cap_would_clear_too_late_lifts_it():
     sched.add(group("e", 40, t=0.5, first=900))
     now[0] = 0.5
     out, _ = fake_step(sched)
-    assert chunks(out) == {"e": 12}
+    assert chunks(out) == {"e": 36}
 
 
 def test_the_cap_shares_its_tokens_between_prompts_and_keeps_a_block():
-    # a 10 ms target: the decodes alone take longer, so the step keeps its floor, one block
-    sched, now = capped_scheduler(itl_ms=10.0, ttft_ms=None)
+    # 5 ms a prefill token and a 30 ms target: the 4 decodes (14.03 ms) leave room for 3
+    # tokens, below the floor: the step still takes a block of prefill
+    sched, now = capped_scheduler(itl_ms=30.0, ttft_ms=None, train=False)
+    trained(sched.step_cost, c=0.005)
     decoding(sched, now)
     sched.add(group("e", 40, t=0.5, first=900))
     sched.add(group("f", 40, t=0.5, first=1000))
@@ -167,6 +170,17 @@ def test_the_cap_shares_its_tokens_between_prompts_and_keeps_a_block():
     sched.add(group("f", 40, t=0.5, first=1000))
     out, _ = fake_step(sched)
     assert chunks(out) == {"e": 6, "f": 24}  # 31 - 6 = 25, cut back to a block boundary
+
+
+@pytest.mark.parametrize("itl_ms, cut", [(28.0, False), (28.1, True)])
+def test_decodes_that_alone_take_half_the_target_lift_the_cap(itl_ms, cut):
+    """4 decodes take 14.03 ms: a target up to twice that would leave each prompt less than
+    half of every step, so nothing is cut; just above it, the prompt is cut to what fits."""
+    sched, now = capped_scheduler(itl_ms=itl_ms, ttft_ms=None)
+    decoding(sched, now)
+    sched.add(group("e", 60, t=0.5, first=900))
+    out, _ = fake_step(sched)
+    assert chunks(out) == ({"e": 28} if cut else {"e": 60})
 
 
 def test_prefill_with_no_decodes_and_the_oldest_request_are_not_cut():
