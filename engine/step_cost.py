@@ -21,7 +21,8 @@ changes (another process, a longer context) within a few dozen steps. Until the 
 enough of both kinds of work it answers None and the scheduler does not cap anything.
 
 Work per step: `observe` is O(1) (16 multiply-adds into the running sums); `prefill_tokens_within`
-solves a 4 x 4 system (a few microseconds of Python), once per step that asks.
+solves a 4 x 4 system (a few microseconds of Python; up to three more, smaller, when a slope
+comes out negative), once per step that asks.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class StepCost:
         if self.prefill_steps < self.min_steps or self.decode_steps < self.min_steps:
             return None
         if self._stale:
-            self._coef = _solve(self._xtx, self._xty)
+            self._coef = _solve_nonnegative(self._xtx, self._xty)
             self._stale = False
         coef = self._coef
         if coef is None or coef[2] <= 0.0:
@@ -90,12 +91,31 @@ class StepCost:
         return max(0, int(left / c))
 
 
+def _solve_nonnegative(xtx: list[list[float]], xty: list[float]) -> list[float] | None:
+    """The fit with no negative per-unit cost: a slope the unconstrained fit makes negative
+    (NOTE: decode rows and context grow together in most steps, so the two can trade places,
+    a row 'costing' less than nothing while context costs double) is held at 0 and the rest
+    refitted, the most negative first, until none is."""
+    active = list(range(_FEATURES))
+    while True:
+        sub = _solve([[xtx[i][j] for j in active] for i in active], [xty[i] for i in active])
+        if sub is None:
+            return None
+        coef = [0.0] * _FEATURES
+        for i, value in zip(active, sub):
+            coef[i] = value
+        worst = min(active[1:], key=lambda i: coef[i], default=None)  # never the intercept
+        if worst is None or coef[worst] >= 0.0:
+            return coef
+        active.remove(worst)
+
+
 def _solve(xtx: list[list[float]], xty: list[float]) -> list[float] | None:
     """Ridge-regularised normal equations by Gaussian elimination with partial pivoting;
     None if singular. NOTE: a small ridge on the slopes keeps the fit defined when a feature
     has not varied yet (every step at the same batch size, say); it barely moves a fit that
     the data determine."""
-    n = _FEATURES
+    n = len(xty)
     scale = max(xtx[0][0], 1e-12)
     m = [row[:] + [xty[i]] for i, row in enumerate(xtx)]
     for i in range(1, n):

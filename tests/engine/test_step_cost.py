@@ -41,6 +41,27 @@ def test_the_fit_recovers_a_linear_step_time():
     assert trained(StepCost()).prefill_tokens_within(0.02, 16, 4000) == 0  # the decodes alone are over
 
 
+def test_no_per_unit_cost_comes_out_negative():
+    """Steps whose context grows with their decode rows, timed with a row costing 1 ms and no
+    context term, plus noise that tilts the unconstrained fit (a negative context slope): the
+    fit holds that slope at 0, refits the rest, and still predicts such steps."""
+    rng = random.Random(3)
+    steps = []
+    for _ in range(40):
+        d, p = rng.randint(1, 16), rng.choice([0, 0, rng.randint(1, 256)])
+        k = d * 100 + rng.randint(0, 20)  # context moves with the rows
+        steps.append((d, p, k, A + B * d + C * p + rng.uniform(-0.002, 0.002) - 0.00002 * (k - 100 * d)))
+    cost = StepCost()
+    for step in steps:
+        cost.observe(*step)
+    from engine.step_cost import _solve
+    unconstrained = _solve(cost._xtx, cost._xty)
+    assert unconstrained[3] < 0  # what the data alone say: context 'saves' time
+    coef = cost.coefficients()
+    assert coef[3] == 0.0 and min(coef[1:]) >= 0.0
+    assert cost.predict(8, 100, 800) == pytest.approx(seconds(8, 100), rel=0.1)
+
+
 def test_no_answer_before_both_kinds_of_step_were_seen():
     cost = StepCost(min_steps=8)
     for _ in range(50):  # decode steps only: the prefill cost is unknown
@@ -82,11 +103,12 @@ def test_decay_must_be_a_fraction(decay):
 
 
 # ------------------------------------------------------------------ the scheduler's cap
-def capped_scheduler(itl_ms: float | None = 32.5, ttft_ms: float | None = 1000.0, train: bool = True):
+def capped_scheduler(itl_ms: float | None = 32.5, ttft_ms: float | None = 1000.0, train: bool = True,
+                     policy: str = "fcfs"):
     """Block size 4, 8 sequences, a 64-token budget, chunked prefill, a clock we move by hand."""
     now = [0.0]
     cfg = SchedulerConfig(8, 64, 64, "swap", 8, enable_chunked_prefill=True, target_itl_ms=itl_ms,
-                          target_ttft_ms=ttft_ms)
+                          target_ttft_ms=ttft_ms, scheduling_policy=policy)
     sched = Scheduler(cfg, BlockManager(64, 64, 4), clock=lambda: now[0])
     if train and sched.step_cost is not None:
         trained(sched.step_cost)
@@ -152,6 +174,24 @@ def test_a_backlog_the_cap_would_clear_too_late_lifts_it():
     now[0] = 0.5
     out, _ = fake_step(sched)
     assert chunks(out) == {"e": 36}
+
+
+def test_under_shortest_prompt_neither_a_long_wait_nor_a_backlog_lifts_the_cap():
+    """The two lifts above, under shortest-prompt: the prompts are still cut (only the oldest
+    request is not), since that order already puts the long prompts the cap holds back last."""
+    sched, now = capped_scheduler(ttft_ms=1000.0, policy="shortest-prompt")
+    decoding(sched, now)
+    sched.add(group("e", 40, t=0.5, first=900))
+    now[0] = 1.6  # e arrived 1.1 s ago
+    out, _ = fake_step(sched)
+    assert chunks(out) == {"e": 36}
+    sched, now = capped_scheduler(ttft_ms=100.0, policy="shortest-prompt")
+    decoding(sched, now)
+    sched.add(group("e", 40, t=0.5, first=900))
+    sched.add(group("f", 80, t=0.5, first=1000))
+    now[0] = 0.5
+    out, _ = fake_step(sched)
+    assert chunks(out) == {"e": 36}  # 120 tokens wait, more than the cap clears in 100 ms
 
 
 def test_the_cap_shares_its_tokens_between_prompts_and_keeps_a_block():
