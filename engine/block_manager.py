@@ -368,6 +368,14 @@ class BlockManager:
         return table
 
     # ---------------------------------------------------------------- checks and views
+    def reset(self) -> None:
+        """Both pools and the counters as after construction; only when no sequence holds a
+        block (the engine's start-up calibration runs real requests, then forgets them)."""
+        assert not self.tables and not self.cpu_tables, "reset of a block manager with sequences"
+        self.device.reset()
+        self.cpu.reset()
+        self.prefix_queries = self.prefix_hits = self.num_hashes = 0
+
     def check_integrity(self) -> None:
         """Assert the pool invariants: free + cached + used == total in each pool, every ref
         count equals the number of tables holding the block, and the usage counters agree."""

@@ -104,3 +104,13 @@ class BlockPool:
                 self.cached[block.block_id] = None
             else:
                 self.free.append(block.block_id)
+
+    def reset(self) -> None:
+        """Back to a fresh pool (every block free, in id order, no hashes): only when no block
+        is in use. NOTE: it forgets the cached blocks, as vLLM's reset_prefix_cache does."""
+        assert self.num_used == 0, "reset of a pool with blocks in use"
+        for block in self.blocks:
+            block.hash, block.token_ids = None, None
+        self.free = deque(range(len(self.blocks)))
+        self.cached.clear()
+        self.by_hash.clear()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from engine.outputs import RequestOutput
 from engine.request_stream import EngineDeadError, RequestFailedError
+from engine.step_calibration import calibrate_step_cost
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -43,6 +44,8 @@ class EngineThread:
         start = time.monotonic()
         try:
             self.engine = self._factory()
+            # NOTE: before the first request, so that the step-time cap holds from the first burst
+            calibrate_step_cost(self.engine)
             if self.on_ready is not None:
                 self.on_ready(self.engine)
             self.last_stats = self.engine.last_stats

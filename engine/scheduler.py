@@ -150,6 +150,13 @@ class Scheduler:
             self.running[:] = kept
         return done
 
+    def reset_counters(self) -> None:
+        """Preemption and swap totals and the event log back to empty (after the start-up
+        calibration's requests, engine/step_calibration.py)."""
+        self.num_preemptions = {"swap": 0, "recompute": 0}
+        self.swapped_blocks = {"in": 0, "out": 0}
+        self.events = KvEventLog()
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
