@@ -171,7 +171,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     target_itl_ms: float | None = None  # None: 200 on a CPU with chunked prefill, else off; 0: off
     target_ttft_ms: float | None = None  # None: 1000; 0: no request is exempt for its wait
-    scheduling_policy: str = "fcfs"  # or "shortest-prompt" (engine/admission_order.py)
+    scheduling_policy: str = "shortest-prompt"  # or "fcfs" (engine/admission_order.py, docs/using.md)
     seed: int = 0
     tensor_parallel_size: int = 1
     extra: dict = field(default_factory=dict)

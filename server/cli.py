@@ -140,12 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "takes at most this long, as estimated from the recent steps (default 200 on a CPU, "
                           "off on a GPU; 0: off)")
     eng.add_argument("--target-ttft-ms", type=float, default=None,
-                     help="requests that arrived longer ago than this, or a prefill backlog the cut would clear "
-                          "only after it, lift --target-itl-ms (default 1000; 0: never)")
-    eng.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
-                     help="the order in which waiting requests come in: fcfs, or shortest-prompt (fresh "
-                          "requests with fewer prompt tokens first; requests that have run come back first, "
-                          "and the oldest request is never held back)")
+                     help="with --scheduling-policy fcfs: requests that arrived longer ago than this, or a "
+                          "prefill backlog the cut would clear only after it, lift --target-itl-ms (default "
+                          "1000; 0: never)")
+    eng.add_argument("--scheduling-policy", default="shortest-prompt", choices=list(SCHEDULING_POLICIES),
+                     help="the order in which waiting requests come in: shortest-prompt (the default: fresh "
+                          "requests with fewer prompt tokens first, and a short prompt before a long one's "
+                          "remaining chunks; requests that have run come back first, and the oldest request "
+                          "is never held back), or fcfs (by arrival)")
     eng.add_argument("--seed", type=int, default=0)
     eng.add_argument("--tensor-parallel-size", type=int, default=1)
     return p

@@ -109,9 +109,9 @@ def test_step_time_targets_default_on_a_cpu_and_the_flags_set_or_turn_them_off()
 
 
 def test_scheduling_policy_flag_reaches_the_scheduler_and_bad_values_are_refused():
-    assert parse_args([]).engine_args.create_engine_config().scheduler.scheduling_policy == "fcfs"
-    sched = parse_args(["--scheduling-policy", "shortest-prompt"]).engine_args.create_engine_config().scheduler
-    assert sched.scheduling_policy == "shortest-prompt"
+    assert parse_args([]).engine_args.create_engine_config().scheduler.scheduling_policy == "shortest-prompt"
+    sched = parse_args(["--scheduling-policy", "fcfs"]).engine_args.create_engine_config().scheduler
+    assert sched.scheduling_policy == "fcfs"
     with pytest.raises(SystemExit):
         parse_args(["--scheduling-policy", "random"])
     from engine.config import EngineArgs
