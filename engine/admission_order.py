@@ -3,7 +3,7 @@
 `scheduling_policy="fcfs"`: every request that is out (swapped, waiting, a parked lead) by
 priority: first come, first served.
 
-`scheduling_policy="shortest-prompt"`: requests that have run before (swapped, parked leads,
+`scheduling_policy="shortest-prompt"` (the default): requests that have run before (swapped, parked leads,
 preempted ones waiting to be recomputed) still come back first, by priority: their streams are
 already open. Then fresh requests, fewest prompt tokens first, looked for among the first
 `max_num_seqs` fresh requests by arrival (NOTE: so a step sorts at most that many, however long

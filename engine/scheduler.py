@@ -1,9 +1,11 @@
 """Continuous batching over waiting / running / swapped queues, with liveness by construction.
 
-Requests are served first come, first served (`SequenceGroup.priority`: arrival time, then
-creation order). A request's *lead* is its lowest-index unfinished sequence (all the beams of a
-beam search, which run together); the other samples of n / best_of are its *extras*. Blocks,
-sequence slots and the token budget go to leads first, oldest first; extras get what is left.
+A request's priority (`SequenceGroup.priority`: arrival time, then creation order) decides who is
+the oldest, who is preempted and whose decodes go first; the scheduling policy decides the order
+in which waiting requests come in (engine/admission_order.py). A request's *lead* is its
+lowest-index unfinished sequence (all the beams of a beam search, which run together); the
+other samples of n / best_of are its *extras*. Blocks, sequence slots and the token budget go to
+leads first, oldest first; extras get what is left.
 Each step:
 (0) The oldest request's lead runs. If it is swapped out, waiting, or parked, room is made (extras
     anywhere are parked, then newer requests preempted, newest first) and it is brought in.
@@ -12,7 +14,8 @@ Each step:
     the newest requests preempted, never the oldest (`_fit_running`). The oldest request's
     sequences are scheduled first, in index order, with the whole token budget; then every other
     decode within what is left (a decode that does not fit waits a step and keeps its blocks);
-    then the chunks of partially prefilled requests (chunked prefill), oldest first.
+    then the chunks of partially prefilled requests (chunked prefill), oldest first (under
+    shortest-prompt, a chunk with more tokens left than the shortest fresh prompt goes after (2)).
 (2) If no request was preempted: leads that are out (swapped, waiting, parked) come in, in the
     order of the scheduling policy (engine/admission_order.py: oldest first, or shortest fresh
     prompt first), parking extras to make room, stopping at the first that does not fit. A

@@ -5,11 +5,12 @@ The step-time target (`target_itl_ms`, with chunked prefill): every step's decod
 prefill chunks, so a long chunk is a long gap between tokens for every running stream. Once a
 step holds decodes, the chunks of the other requests are cut so that the step's estimated time
 stays within the target, with at least a block of prefill per step (`StepPlan.prefill_budget`).
-Exempt: the oldest request (the scheduler's liveness argument is untouched) and any request that
-arrived more than `target_ttft_ms` ago. And when the prompts waiting to be prefilled are more
-than capped steps would clear within `target_ttft_ms`, the step takes its whole budget: a cap
-would only move the queue's wait into TTFT (at 64 streams on a 2-core CPU the decodes alone take
-about the target, and that is the usual case there).
+Exempt: the oldest request (the scheduler's liveness argument is untouched). No cap either when
+the decodes alone take half the target or more (at 64 streams on a 2-core CPU): it would spread
+each prompt over many steps for gaps that stay near the decodes' own time. Under fcfs also any
+request that arrived more than `target_ttft_ms` ago, and every chunk while the prompts waiting
+to be prefilled are more than capped steps would clear within `target_ttft_ms`: a cap would only
+move the queue's wait into TTFT. Under shortest-prompt neither (engine/step_plan.py says why).
 
 The model is linear in what a step computes:
 
@@ -18,7 +19,8 @@ The model is linear in what a step computes:
 (`context_tokens`: the KV tokens the step's sequences attend to). It is fitted by least squares
 over the recent steps, each weighted by `decay ** age`, so it follows a machine whose speed
 changes (another process, a longer context) within a few dozen steps. Until the fit has seen
-enough of both kinds of work it answers None and the scheduler does not cap anything.
+enough of both kinds of work it answers None and the scheduler does not cap anything; the server
+trains it before its first request (engine/step_calibration.py).
 
 Work per step: `observe` is O(1) (16 multiply-adds into the running sums); `prefill_tokens_within`
 solves a 4 x 4 system (a few microseconds of Python; up to three more, smaller, when a slope
