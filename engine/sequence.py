@@ -171,7 +171,8 @@ class SequenceGroup:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        # The scheduler's order: first come, first served (ties by creation order).
+        # The scheduler's priority: arrival, ties by creation order (who is the oldest, who is
+        # preempted first; the admission order is the scheduling policy's, admission_order.py).
         self.priority = (self.arrival_time, next(_group_numbers))
         gen = random.Random(params.seed) if params.seed is not None else None
         self.seqs: list[Sequence] = [Sequence(prompt_token_ids, 0, gen)]
