@@ -113,9 +113,16 @@ def test_unknown_request_id_is_404_without_echoing_it_whole(real_server):
     with socket.create_connection(("127.0.0.1", real_server.port), timeout=30) as sock:  # past httpx's URL limit
         sock.sendall(b"GET /kv/requests/" + b"y" * 100_000 + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    assert answer.startswith((b"HTTP/1.1 400", b"HTTP/1.1 404", b"HTTP/1.1 414")) and len(answer) < 1000, answer[:300]
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except ConnectionResetError:
+            # NOTE: the server answers and closes while most of the 100 kB line is still unread,
+            # so its kernel may reset the connection before this side reads the answer (a CI
+            # run saw it): a reset echoes nothing either
+            pass
+    assert answer.startswith((b"HTTP/1.1 400", b"HTTP/1.1 404", b"HTTP/1.1 414")) or not answer, answer[:300]
+    assert len(answer) < 1000, answer[:300]
     assert httpx.get(real_server.url + "/health").status_code == 200
 
 
