@@ -74,14 +74,13 @@ class LLMEngine:
             self.eos_token_id = self.eos_token_id[0]
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_id, mc.max_model_len)
         self.structured_outputs = StructuredOutputCompiler(self.tokenizer, mc.hf_config.vocab_size)
-        self.stats = StatsCollector(self.scheduler, self.block_manager, self.cache.bytes_per_block)
+        self._reset_totals()
         self._beam_context = BeamContext(
             adjusted_logits=lambda raw, group, seqs: self.sampler.adjusted_logits(
                 raw, [self._row(seq, group) for seq in seqs]),
             logprob_entry=self.output_processor.logprob_entry, eos_token_id=self.eos_token_id)
         self.last_step_empty = False
         self.newly_scheduled: list[str] = []
-        self.last_stats = self.stats.snapshot(SchedulerOutput())
         logger.info(
             "KV cache: %d device blocks of %d tokens (%.2f GiB, %s), %d swap blocks; "
             "up to %d concurrent requests of max_model_len=%d; engine ready in %.1f s",
@@ -138,6 +137,20 @@ class LLMEngine:
             self.scheduler.abort(request_id)
             group.metrics.finished_time = time.monotonic()
             group.metrics.finish_reason = "abort"
+
+    def _reset_totals(self) -> None:
+        self.stats = StatsCollector(self.scheduler, self.block_manager, self.cache.bytes_per_block)
+        self.last_stats = self.stats.snapshot(SchedulerOutput())
+
+    def reset(self) -> None:
+        """Forget every request run so far: a fresh KV pool (no prefix-cache entries, blocks
+        handed out from id 0 again), no preemption counts or KV events, totals at 0. Only with
+        no request left (engine/step_calibration.py runs its requests, then this)."""
+        if self.requests or self.has_unfinished_requests():
+            raise RuntimeError("LLMEngine.reset with requests in flight")
+        self.block_manager.reset()
+        self.scheduler.reset_counters()
+        self._reset_totals()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

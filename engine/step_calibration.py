@@ -9,13 +9,13 @@ same code the server runs (no second path to keep in step with the first).
 
 What runs: up to `_REQUESTS` greedy requests of token ids (no text, so nothing detokenizes to a
 user), one added per step, prompts of 16-160 tokens, 8 tokens each; so the steps mix prefills of
-different sizes with 1-8 decodes over growing contexts, enough for the fit's four terms. About
-16 steps: ~1-2 s on a 2-core CPU with SmolLM2-135M. Stops as soon as the model answers.
+different sizes with 1-8 decodes over growing contexts, enough for the fit's four terms. It
+stops as soon as the model answers: 9 steps, ~1 s on a 2-core CPU with SmolLM2-135M.
 
-Afterwards nothing of it is left: unfinished requests are aborted, the block manager is reset to
-a fresh pool (no prefix-cache entries, blocks handed out from id 0 again, counters at 0), and the
-scheduler's preemption counts and event log and the engine's totals start over. Only the
-step-time model keeps what it learnt (and goes on learning).
+Afterwards nothing of it is left: unfinished requests are aborted and `LLMEngine.reset` gives a
+fresh KV pool (no prefix-cache entries, blocks handed out from id 0 again), no preemption counts
+or KV events, and totals at 0. Only the step-time model keeps what it learnt (and goes on
+learning).
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import time
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import SchedulerOutput
-from engine.stats import StatsCollector
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -65,11 +63,7 @@ def calibrate_step_cost(engine: LLMEngine) -> bool:
         steps += 1
     for request_id in [r for r in engine.requests if r.startswith(_ID_PREFIX)]:
         engine.abort_request(request_id)
-    engine.scheduler.free_finished()
-    engine.block_manager.reset()
-    engine.scheduler.reset_counters()
-    engine.stats = StatsCollector(engine.scheduler, engine.block_manager, engine.cache.bytes_per_block)
-    engine.last_stats = engine.stats.snapshot(SchedulerOutput())
+    engine.reset()
     coef = cost.coefficients()
     if coef is None:
         logger.warning("step-time model: not trained after %d calibration steps (%.1f s); the cap "

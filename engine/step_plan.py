@@ -62,10 +62,9 @@ class PrefillCap:
         """A fresh cost model when `config` sets a step-time target (logged), else None."""
         if config.target_itl_ms is None or not config.enable_chunked_prefill:
             return None
-        if config.target_ttft_ms is not None and config.scheduling_policy == "fcfs":
-            exempt = f"requests waiting past {config.target_ttft_ms:g} ms exempt"
-        else:
-            exempt = "only the oldest request exempt"
+        wait = _exempting_wait_s(config)
+        exempt = (f"requests waiting past {wait * 1000:g} ms exempt" if wait is not None
+                  else "only the oldest request exempt")
         logger.info("step-time target: prefill chunks cut to keep a step with decodes within %g ms (%s)",
                     config.target_itl_ms, exempt)
         return StepCost()
@@ -76,15 +75,21 @@ class PrefillCap:
         cfg, cost = sched.config, sched.step_cost
         if cost is None:  # NOTE: cost_for gives a cost model only with a target
             return None
-        # NOTE: under shortest-prompt no wait exempts a request and no backlog lifts the cap. The
-        # queue is served shortest first, so what the cap holds back is the longest prompts,
-        # which that order puts last anyway; lifting it let them take whole-budget steps while
-        # the most streams decode (a burst at 16 streams: ITL p99 294-388 ms in four runs, 212
-        # without the lifts; docs/using.md). The oldest request is never cut (liveness).
-        fcfs = cfg.scheduling_policy == "fcfs"
-        wait = cfg.target_ttft_ms / 1000.0 if cfg.target_ttft_ms is not None and fcfs else None
-        return cls(cost, cfg.target_itl_ms / 1000.0, wait, sched.clock(), sched.block_manager.block_size,
+        return cls(cost, cfg.target_itl_ms / 1000.0, _exempting_wait_s(cfg), sched.clock(),
+                   sched.block_manager.block_size,
                    lambda limit: prefill_backlog(sched.running, sched.waiting, limit))
+
+
+def _exempting_wait_s(config: SchedulerConfig) -> float | None:
+    """`PrefillCap.wait_s`: target_ttft_ms in seconds under fcfs; None under shortest-prompt.
+    NOTE: under shortest-prompt no wait exempts a request and no backlog lifts the cap. The
+    queue is served shortest first, so what the cap holds back is the longest prompts, which
+    that order puts last anyway; lifting it let them take whole-budget steps while the most
+    streams decode (a burst at 16 streams: ITL p99 294-388 ms in four runs, 212 without the
+    lifts; docs/using.md). The oldest request is never cut (liveness)."""
+    if config.target_ttft_ms is None or config.scheduling_policy != "fcfs":
+        return None
+    return config.target_ttft_ms / 1000.0
 
 
 def prefill_backlog(running: Iterable[SequenceGroup], waiting: Iterable[SequenceGroup], limit: int) -> int:

@@ -4,6 +4,8 @@ requests is left (pool, prefix cache, totals, counters)."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -49,3 +51,5 @@ def test_nothing_runs_without_a_step_time_target_or_with_requests_queued():
     e.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2))
     assert not calibrate_step_cost(e)
     assert list(e.requests) == ["r"] and e.scheduler.step_cost.coefficients() is None
+    with pytest.raises(RuntimeError, match="in flight"):  # the reset calibration ends with
+        e.reset()
