@@ -108,13 +108,13 @@ def test_empty_context_gives_zeros(device):
 @pytest.mark.parametrize("head_size", [32, 64, 128])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("heads", [(8, 4), (32, 1), (80, 1)], ids=lambda h: f"h{h[0]}kv{h[1]}")
-def test_cpu_tiles_of_eight_tokens(dtype, head_size, block_size, heads):
-    """The CPU kernel's AVX2 path (rows of up to 256 bytes) reads 8 tokens at a time and runs
-    one prefetch stream across a thread's tasks: contexts around a tile's end, many sequences
-    (a thread's next task), head 32 (not built for CUDA), and groups of 32 and 80 query heads
-    on one KV head (fp32 head 128 takes the plain loops)."""
+def test_cpu_tiles_of_tokens(dtype, head_size, block_size, heads):
+    """The CPU kernel's AVX2 path (rows of up to 512 bytes) reads 8 tokens at a time (4 for
+    fp32 head 128) and runs one prefetch stream across a thread's tasks: contexts around both
+    tiles' ends, many sequences (a thread's next task), head 32 (not built for CUDA), and
+    groups of 32 and 80 query heads on one KV head."""
     num_heads, num_kv_heads = heads
-    lens = [1, 7, 8, 9, 15, 17, 100, 3, 64, 31]
+    lens = [1, 7, 8, 9, 15, 17, 100, 3, 64, 31, 4, 5, 12]
     gen = torch.Generator().manual_seed(head_size * 1000 + block_size + num_heads)
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
     key_cache, value_cache = poisoned_caches(num_blocks, num_kv_heads, block_size, head_size, dtype, "cpu")

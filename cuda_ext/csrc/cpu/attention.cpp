@@ -194,9 +194,10 @@ void attend_one(const AttentionArgs& a, int seq, int kv_head, T* out, const T* q
 // Why: the loops above reduce one dot product at a time (one accumulator, then a horizontal
 // sum), a chain of D/8 dependent FMAs plus the reduction per (query head, token): at short
 // contexts that latency, not memory, set the time (batch 64 x context 100, SmolLM2's 9/3 heads,
-// head 64: ~40% of sum()'s read rate). Here pass 1 takes 8 tokens at a time: 8 independent
-// accumulators per query head, reduced together by one hadd tree into 8 logits; pass 2 keeps
-// a query head's output slice in registers over 8 tokens. Rows are converted to fp32 in
+// head 64: ~40% of sum()'s read rate). Here pass 1 takes a tile of 8 tokens (4 for 512-byte
+// rows) at a time: one independent accumulator per token and query head, reduced together by
+// one hadd tree into the tile's logits; pass 2 keeps a query head's output slice in registers
+// over the tile. Rows are converted to fp32 in
 // registers (bf16: a 16-bit shift; fp16: F16C), so low-precision caches need no copy either.
 // Summation order differs from the loops above only within a dot product (8 lanes, then a
 // tree); the softmax is the same code.
@@ -219,7 +220,19 @@ inline __m256 hsum8(const __m256* s) {
   return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
-constexpr int kTile = 8;  // tokens per step of both passes
+// The 4 horizontal sums of s[0..3], as one vector (lane i: the sum of s[i]'s lanes).
+inline __m128 hsum4(const __m256* s) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// Tokens per step of both passes: 8, or 4 for rows over 256 bytes. NOTE: fp32 rows of head 128
+// (512 bytes) took 4-10% longer at 8 than in the loops above (2-core AVX2 EPYC, interleaved
+// A/B); at 4 they take 7-34% less (30 layers' caches, b16 x 1024, b64 x 300, b64 x 128: 6.79 ->
+// 5.67 ms, 8.32 -> 6.98, 3.91 -> 2.97). Rows of up to 256 bytes measured within 1-2% either way
+// at 4 (bf16 a little slower), so they keep 8.
+template <typename T, int D>
+constexpr int kTileFor = D * static_cast<int>(sizeof(T)) > 256 ? 4 : 8;
 
 // Scratch reused by every task a thread runs, instead of vectors allocated per task.
 struct Scratch {
@@ -230,11 +243,9 @@ inline Scratch& scratch() {
   return s;
 }
 
-// Which rows take the AVX2 path: whole vectors of up to 256 bytes. NOTE: fp32 rows of head 128
-// (512 bytes) ran 7-9% slower there than in the loops above (interleaved A/B, 2-core AVX2
-// EPYC), where bf16 rows of head 128 and all rows of heads 32 and 64 ran 7-30% faster.
+// Which rows take the AVX2 path: whole vectors of up to 512 bytes (head 128 in fp32).
 template <typename T, int D>
-constexpr bool kAvx2Rows = D > 0 && D % 8 == 0 && !std::is_same_v<T, double> && D * sizeof(T) <= 256;
+constexpr bool kAvx2Rows = D > 0 && D % 8 == 0 && !std::is_same_v<T, double> && D * sizeof(T) <= 512;
 
 // The K/V rows of one task: (sequence, KV head) through its block table.
 template <typename T>
@@ -260,7 +271,7 @@ struct TaskRows {
 // then the V rows, then the next task's K rows, so that a pass or a task never starts by waiting
 // for its own first rows (at the workload's short contexts, ~100-300 tokens, tasks are short).
 // The distance: 8 KB of rows (32 rows of 256 bytes, as the loops above at head 64 fp32; 4 KB
-// measured no better; rows are at most 256 bytes on this path).
+// measured no better; at head 128 fp32, 16 KB measured 2-5% slower).
 template <typename T, int D>
 constexpr int kAheadRows = 8192 / (D * static_cast<int>(sizeof(T)));
 
@@ -270,6 +281,7 @@ void attend_one_avx2(const AttentionArgs& a, const TaskRows<T>& task, const Task
   const int seq = task.seq, context_len = task.context_len;
   static_assert(D % 8 == 0, "the AVX2 path takes whole vectors");
   constexpr int V = D / 8;  // vectors per row
+  constexpr int kTile = kTileFor<T, D>;
   const int group = a.num_heads / a.num_kv_heads;
   const int first_head = task.kv_head * group;
   auto out_row = [&](int g) { return out + seq * a.out_stride_seq + (first_head + g) * a.out_stride_head; };
@@ -312,7 +324,8 @@ void attend_one_avx2(const AttentionArgs& a, const TaskRows<T>& task, const Task
         const __m256 qv = _mm256_loadu_ps(qg + 8 * v);
         for (int i = 0; i < kTile; ++i) acc[i] = _mm256_fmadd_ps(qv, load8(rows[i] + 8 * v), acc[i]);
       }
-      _mm256_storeu_ps(logits + g * padded + t0, hsum8(acc));
+      if constexpr (kTile == 8) _mm256_storeu_ps(logits + g * padded + t0, hsum8(acc));
+      else _mm_storeu_ps(logits + g * padded + t0, hsum4(acc));
     }
   }
 
