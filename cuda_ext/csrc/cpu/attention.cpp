@@ -195,12 +195,12 @@ void attend_one(const AttentionArgs& a, int seq, int kv_head, T* out, const T* q
 // sum), a chain of D/8 dependent FMAs plus the reduction per (query head, token): at short
 // contexts that latency, not memory, set the time (batch 64 x context 100, SmolLM2's 9/3 heads,
 // head 64: ~40% of sum()'s read rate). Here pass 1 takes a tile of 8 tokens (4 for 512-byte
-// rows) at a time: one independent accumulator per token and query head, reduced together by
-// one hadd tree into the tile's logits; pass 2 keeps a query head's output slice in registers
-// over the tile. Rows are converted to fp32 in
+// rows, one from each lane of the context: see kAheadTiles) at a time: one independent
+// accumulator per token and query head, reduced together by one hadd tree into the tile's
+// logits; pass 2 keeps a query head's output slice in registers over the tile. Rows are converted to fp32 in
 // registers (bf16: a 16-bit shift; fp16: F16C), so low-precision caches need no copy either.
-// Summation order differs from the loops above only within a dot product (8 lanes, then a
-// tree); the softmax is the same code.
+// Summation order differs from the loops above within a dot product (8 vector lanes, then a
+// tree) and in pass 2 (tokens added in tile order); the softmax is the same code.
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
@@ -259,21 +259,32 @@ struct TaskRows {
     return cache + block_table[t / a->block_size] * a->cache_stride_block + kv_head * a->cache_stride_head +
            (t % a->block_size) * a->cache_stride_token;
   }
-  // The n-th row this task reads: K rows 0..len-1, then V rows 0..len-1 (null past the end).
-  const T* nth(int n) const {
-    if (n < context_len) return row(key_cache, n);
-    if (n < 2 * context_len) return row(value_cache, n - context_len);
-    return nullptr;
+  // Tiles per pass when a tile holds one token from each of `tile` lanes: lane i is tokens
+  // [i * per, (i + 1) * per), and tile j holds token i * per + j of every lane i.
+  int tiles(int tile) const { return (context_len + tile - 1) / tile; }
+  // Prefetch the rows of `cache`'s tile j (tokens past the context skipped).
+  void prefetch_tile(const T* cache, int tile, int j, int row_len) const {
+    const int per = tiles(tile);
+    for (int i = 0; i < tile; ++i)
+      if (i * per + j < context_len) prefetch_row(row(cache, i * per + j), row_len);
   }
 };
 
-// NOTE: prefetches run as one stream over the rows a thread reads, kAheadRows ahead: the K rows,
-// then the V rows, then the next task's K rows, so that a pass or a task never starts by waiting
-// for its own first rows (at the workload's short contexts, ~100-300 tokens, tasks are short).
-// The distance: 8 KB of rows (32 rows of 256 bytes, as the loops above at head 64 fp32; 4 KB
-// measured no better; at head 128 fp32, 16 KB measured 2-5% slower).
+// NOTE: a tile holds one token from each of its lanes (TaskRows::tiles), not consecutive tokens:
+// the core then reads 8 (or 4) sequential streams at once instead of one, and the hardware
+// prefetcher, which follows a stream only within a 4 KB page and starts cold at every block (at
+// a random place in the pool), keeps more of them in flight. Reading K/V rows alone through
+// random block tables, 30 layers' caches (from DRAM, as in the model): one stream 48-52% of
+// sum()'s rate, 8 streams 71-92%.
+// Software prefetches run as one stream of tiles, kAheadTiles ahead: the K tiles, then the V
+// tiles, then the next task's K tiles, so that a pass or a task never starts by waiting for its
+// own first rows. NOTE: 2 tiles ahead for rows of up to 256 bytes (at the workload's short
+// contexts lanes are a block or two long and the hardware prefetcher has no time to start:
+// b64 x 100 head 64, 0.52 ms without, 0.42 with); none for 512-byte rows, where a tile's
+// compute is long enough for the hardware prefetcher and the prefetches only cost instructions
+// (head 128, b16 x 1024: 4.1 ms without, 4.6 with).
 template <typename T, int D>
-constexpr int kAheadRows = 8192 / (D * static_cast<int>(sizeof(T)));
+constexpr int kAheadTiles = D * static_cast<int>(sizeof(T)) > 256 ? 0 : 2;
 
 template <typename T, int D>
 void attend_one_avx2(const AttentionArgs& a, const TaskRows<T>& task, const TaskRows<T>* next, T* out,
@@ -290,8 +301,10 @@ void attend_one_avx2(const AttentionArgs& a, const TaskRows<T>& task, const Task
     return;
   }
   Scratch& s = scratch();
-  // logits padded to whole tiles: a tile's 8 sums are stored at once
-  const int padded = (context_len + kTile - 1) / kTile * kTile;
+  // logits in tile order (entry j * kTile + i: lane i's token of tile j), padded to whole tiles
+  const int per = task.tiles(kTile);
+  const int padded = per * kTile;
+  auto token = [&](int t0, int i) { return i * per + t0 / kTile; };  // the token at t0 + i
   s.q.resize(static_cast<size_t>(group) * D);
   s.logits.resize(static_cast<size_t>(group) * padded);
   s.inv_sum.resize(group);
@@ -302,20 +315,20 @@ void attend_one_avx2(const AttentionArgs& a, const TaskRows<T>& task, const Task
     const T* src = query + seq * a.q_stride_seq + (first_head + g) * a.q_stride_head;
     for (int i = 0; i < D; ++i) q[g * D + i] = static_cast<float>(src[i]) * a.scale;
   }
-  // the n-th row of this task's stream (K then V), then of the next task's
-  auto prefetch_nth = [&](int n) {
-    const T* r = n < 2 * context_len ? task.nth(n) : (next != nullptr ? next->nth(n - 2 * context_len) : nullptr);
-    if (r != nullptr) prefetch_row(r, D);
+  // the m-th tile of this task's stream (K tiles, then V tiles), then of the next task's
+  auto prefetch_tile = [&](int m) {
+    if constexpr (kAheadTiles<T, D> > 0) {
+      if (m < 2 * per) task.prefetch_tile(m < per ? task.key_cache : task.value_cache, kTile, m % per, D);
+      else if (next != nullptr && m - 2 * per < next->tiles(kTile)) next->prefetch_tile(next->key_cache, kTile, m - 2 * per, D);
+    }
   };
 
-  // Pass 1: logits[g, t] = q_g . k_t, a tile of 8 tokens at a time. A tile past the context's
-  // end repeats its last row (valid memory) and its extra logits are never read.
+  // Pass 1: logits[g, t] = q_g . k_t, a tile at a time. A lane past the context's end repeats
+  // its last row (valid memory); its logit is masked below.
   const T* rows[kTile];
-  for (int t0 = 0; t0 < context_len; t0 += kTile) {
-    for (int i = 0; i < kTile; ++i) {
-      if (t0 + i < context_len) prefetch_nth(t0 + i + kAheadRows<T, D>);
-      rows[i] = task.row(task.key_cache, std::min(t0 + i, context_len - 1));
-    }
+  for (int t0 = 0; t0 < padded; t0 += kTile) {
+    prefetch_tile(t0 / kTile + kAheadTiles<T, D>);
+    for (int i = 0; i < kTile; ++i) rows[i] = task.row(task.key_cache, std::min(token(t0, i), context_len - 1));
     for (int g = 0; g < group; ++g) {
       const float* qg = q + g * D;
       __m256 acc[kTile];
@@ -329,11 +342,15 @@ void attend_one_avx2(const AttentionArgs& a, const TaskRows<T>& task, const Task
     }
   }
 
-  // Softmax per query head, in fp32 (as above).
+  // Softmax per query head, in fp32 (as above). Entries past the context (only the last lanes
+  // have them) take -inf, then weigh 0 (their e^-87 in the sum is below its rounding).
   for (int g = 0; g < group; ++g) {
     float* l = logits + g * padded;
-    inv_sum[g] = exp_less_max(l, context_len);
-    for (int t = context_len; t < padded; ++t) l[t] = 0.f;  // the tail tile's extra rows weigh 0
+    for (int t = 0; t < padded; ++t)
+      if (token(t / kTile * kTile, t % kTile) >= context_len) l[t] = -std::numeric_limits<float>::infinity();
+    inv_sum[g] = exp_less_max(l, padded);
+    for (int t = 0; t < padded; ++t)
+      if (token(t / kTile * kTile, t % kTile) >= context_len) l[t] = 0.f;
   }
 
   // Pass 2: out_g = sum_t p[g, t] v_t / sum. Per query head, its D floats of output stay in
@@ -343,11 +360,9 @@ void attend_one_avx2(const AttentionArgs& a, const TaskRows<T>& task, const Task
   // NOTE: the output accumulates in q's scratch (q is no longer needed)
   float* acc_all = q;
   std::fill(acc_all, acc_all + group * D, 0.f);
-  for (int t0 = 0; t0 < context_len; t0 += kTile) {
-    for (int i = 0; i < kTile; ++i) {
-      if (t0 + i < context_len) prefetch_nth(context_len + t0 + i + kAheadRows<T, D>);
-      rows[i] = task.row(task.value_cache, std::min(t0 + i, context_len - 1));
-    }
+  for (int t0 = 0; t0 < padded; t0 += kTile) {
+    prefetch_tile(per + t0 / kTile + kAheadTiles<T, D>);
+    for (int i = 0; i < kTile; ++i) rows[i] = task.row(task.value_cache, std::min(token(t0, i), context_len - 1));
     for (int g = 0; g < group; ++g) {
       const float* p = logits + g * padded + t0;
       for (int c = 0; c < V; c += kChunk) {
@@ -383,10 +398,11 @@ void paged_attention_impl(const AttentionArgs& a, int num_seqs, T* out, const T*
         return TaskRows<T>{&a, key_cache, value_cache, block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq,
                            seq, static_cast<int>(task % a.num_kv_heads), context_lens[seq]};
       };
-      // the stream's first rows; every later task's come with the task before it
+      // the stream's first tiles; every later task's come with the task before it
       TaskRows<T> here = rows_of(begin);
-      for (int n = 0; n < std::min(kAheadRows<T, HEAD_SIZE>, 2 * here.context_len); ++n)
-        prefetch_row(here.nth(n), HEAD_SIZE);
+      constexpr int kTile = kTileFor<T, HEAD_SIZE>;
+      for (int j = 0; j < std::min(kAheadTiles<T, HEAD_SIZE>, here.tiles(kTile)); ++j)
+        here.prefetch_tile(key_cache, kTile, j, HEAD_SIZE);
       for (int64_t task = begin; task < end; ++task) {
         const bool last = task + 1 == end;
         const TaskRows<T> next = last ? here : rows_of(task + 1);
