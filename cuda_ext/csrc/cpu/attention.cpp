@@ -197,8 +197,8 @@ void attend_one(const AttentionArgs& a, int seq, int kv_head, T* out, const T* q
 // head 64: ~40% of sum()'s read rate). Here pass 1 takes a tile of 8 tokens (4 for 512-byte
 // rows, one from each lane of the context: see kAheadTiles) at a time: one independent
 // accumulator per token and query head, reduced together by one hadd tree into the tile's
-// logits; pass 2 keeps a query head's output slice in registers over the tile. Rows are converted to fp32 in
-// registers (bf16: a 16-bit shift; fp16: F16C), so low-precision caches need no copy either.
+// logits; pass 2 keeps a query head's output slice in registers over the tile. Rows are
+// converted to fp32 in registers (bf16: a 16-bit shift; fp16: F16C), so low-precision caches need no copy either.
 // Summation order differs from the loops above within a dot product (8 vector lanes, then a
 // tree) and in pass 2 (tokens added in tile order); the softmax is the same code.
 
@@ -259,14 +259,15 @@ struct TaskRows {
     return cache + block_table[t / a->block_size] * a->cache_stride_block + kv_head * a->cache_stride_head +
            (t % a->block_size) * a->cache_stride_token;
   }
-  // Tiles per pass when a tile holds one token from each of `tile` lanes: lane i is tokens
-  // [i * per, (i + 1) * per), and tile j holds token i * per + j of every lane i.
+  // Tiles per pass (`per`) when a tile holds one token from each of `tile` lanes: lane i is
+  // tokens [i * per, (i + 1) * per), and tile j holds lane_token(per, j, i) of every lane i.
   int tiles(int tile) const { return (context_len + tile - 1) / tile; }
+  static int lane_token(int per, int j, int i) { return i * per + j; }
   // Prefetch the rows of `cache`'s tile j (tokens past the context skipped).
   void prefetch_tile(const T* cache, int tile, int j, int row_len) const {
     const int per = tiles(tile);
     for (int i = 0; i < tile; ++i)
-      if (i * per + j < context_len) prefetch_row(row(cache, i * per + j), row_len);
+      if (lane_token(per, j, i) < context_len) prefetch_row(row(cache, lane_token(per, j, i)), row_len);
   }
 };
 
@@ -304,7 +305,7 @@ void attend_one_avx2(const AttentionArgs& a, const TaskRows<T>& task, const Task
   // logits in tile order (entry j * kTile + i: lane i's token of tile j), padded to whole tiles
   const int per = task.tiles(kTile);
   const int padded = per * kTile;
-  auto token = [&](int t0, int i) { return i * per + t0 / kTile; };  // the token at t0 + i
+  auto token = [&](int t0, int i) { return TaskRows<T>::lane_token(per, t0 / kTile, i); };  // at t0 + i
   s.q.resize(static_cast<size_t>(group) * D);
   s.logits.resize(static_cast<size_t>(group) * padded);
   s.inv_sum.resize(group);
@@ -346,11 +347,14 @@ void attend_one_avx2(const AttentionArgs& a, const TaskRows<T>& task, const Task
   // have them) take -inf, then weigh 0 (their e^-87 in the sum is below its rounding).
   for (int g = 0; g < group; ++g) {
     float* l = logits + g * padded;
-    for (int t = 0; t < padded; ++t)
-      if (token(t / kTile * kTile, t % kTile) >= context_len) l[t] = -std::numeric_limits<float>::infinity();
+    auto past_context = [&](float value) {
+      for (int t0 = 0; t0 < padded; t0 += kTile)
+        for (int i = 0; i < kTile; ++i)
+          if (token(t0, i) >= context_len) l[t0 + i] = value;
+    };
+    past_context(-std::numeric_limits<float>::infinity());
     inv_sum[g] = exp_less_max(l, padded);
-    for (int t = 0; t < padded; ++t)
-      if (token(t / kTile * kTile, t % kTile) >= context_len) l[t] = 0.f;
+    past_context(0.f);
   }
 
   // Pass 2: out_g = sum_t p[g, t] v_t / sum. Per query head, its D floats of output stay in
