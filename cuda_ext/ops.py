@@ -42,6 +42,7 @@ __all__ = [
     "linear_pack",
     "linear_panels",
     "linear_panels_available",
+    "linear_panels_silu_mul",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
@@ -200,6 +201,19 @@ def linear_panels(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | N
     y = torch.ops.paged_serve.linear_panels(rows, packed, out_features)
     if bias is not None:
         y += bias
+    return y.view(*x.shape[:-1], out_features)
+
+
+def linear_panels_silu_mul(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    """``silu(x G^T) * (x U^T)`` for x ``[..., in_features]`` fp32 on the CPU, G and U (each
+    ``[out_features, in_features]``) packed by :func:`linear_pack` as one weight whose 16-row
+    groups alternate: G's rows 0-15, U's rows 0-15, G's 16-31, ... (each half zero-padded to a
+    multiple of 16 rows). The same floats as :func:`linear_panels` over ``[G | U]`` followed by
+    :func:`silu_and_mul`, without storing the two products."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.ops.paged_serve.linear_panels_silu_mul(rows, packed, out_features)
     return y.view(*x.shape[:-1], out_features)
 
 

@@ -56,6 +56,7 @@ TORCH_LIBRARY(paged_serve, m) {
   // fp32 linear layers over a weight packed into column panels (cpu/linear.cpp); CPU only.
   m.def("linear_pack(Tensor weight) -> Tensor");
   m.def("linear_panels(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("linear_panels_silu_mul(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("linear_panels_available() -> bool", &cpu::linear_panels_available);
   // The CUDA kernels' report of a bad device-resident index since the last call (a
   // cuda::ErrorCode, 0: none), reset; always 0 in a build without CUDA.
@@ -74,6 +75,7 @@ TORCH_LIBRARY_IMPL(paged_serve, CPU, m) {
   m.impl("silu_and_mul", &cpu::silu_and_mul);
   m.impl("linear_pack", &cpu::linear_pack);
   m.impl("linear_panels", &cpu::linear_panels);
+  m.impl("linear_panels_silu_mul", &cpu::linear_panels_silu_mul);
 }
 
 // The ops only write into tensors they are given, so their shape functions do nothing.
@@ -92,6 +94,9 @@ TORCH_LIBRARY_IMPL(paged_serve, Meta, m) {
     return at::empty({(w.size(0) + 15) / 16, w.size(1), 16}, w.options());
   });
   m.impl("linear_panels", [](const at::Tensor& x, const at::Tensor&, int64_t out_features) {
+    return at::empty({x.size(0), out_features}, x.options());
+  });
+  m.impl("linear_panels_silu_mul", [](const at::Tensor& x, const at::Tensor&, int64_t out_features) {
     return at::empty({x.size(0), out_features}, x.options());
   });
 }

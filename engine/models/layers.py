@@ -23,7 +23,7 @@ def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) 
     if packed is None:
         return F.linear(x, layer.weight, bias)
     if type(packed) is PanelWeight:
-        return ops.linear_panels(x, packed.panels, packed.out_features, bias)
+        return packed.product(x, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -54,9 +54,20 @@ class ColumnParallelLinear(nn.Module):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matmul (gate and up)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, feeds_silu_mul: bool = False):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias)
+        # Two equal halves whose product only feeds SiluAndMul: the panels kernel may then pack
+        # them in pairs and apply SiLU * up as its epilogue (`silu_mul`).
+        self.feeds_silu_mul = feeds_silu_mul and len(out_sizes) == 2 and out_sizes[0] == out_sizes[1] and not bias
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this layer's product in one compiled pass, or None where that
+        does not apply (another kernel, or no pair packing)."""
+        packed = self.packed
+        if type(packed) is PanelWeight and packed.silu_pairs:
+            return packed.silu_mul(x)
+        return None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.out_sizes[:shard_id]) // self.tp_size

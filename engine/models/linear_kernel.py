@@ -56,10 +56,42 @@ _choices: dict[tuple, tuple[str, str]] = {}  # per process: probed shapes -> (ke
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """A layer's weight packed for ``ops.linear_panels`` (the ``panels`` kernel)."""
+    """A layer's weight packed for ``ops.linear_panels`` (the ``panels`` kernel).
 
-    panels: torch.Tensor  # [ceil(out / 16), in, 16] fp32
+    With ``silu_pairs`` the weight is ``[gate | up]`` (halves of out_features / 2 rows) packed
+    with the halves' 16-row groups alternating, for ``ops.linear_panels_silu_mul`` (the MLP's
+    SiLU * up as the product's epilogue); :meth:`product` still gives ``x W^T`` from it."""
+
+    panels: torch.Tensor  # [ceil(out / 16), in, 16] fp32 (silu_pairs: [2 * ceil(out / 32), in, 16])
     out_features: int
+    silu_pairs: bool = False
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, silu_pairs: bool = False) -> "PanelWeight":
+        if not silu_pairs:
+            return cls(ops.linear_pack(weight), weight.shape[0])
+        half, k = weight.shape[0] // 2, weight.shape[1]
+        groups = -(-half // 16)
+        padded = weight.new_zeros(2, groups * 16, k)
+        padded[:, :half] = weight.view(2, half, k)
+        # [2, groups, 16, k] -> [groups, 2, 16, k]: gate's group i, then up's group i.
+        pairs = padded.view(2, groups, 16, k).transpose(0, 1).reshape(2 * groups * 16, k)
+        return cls(ops.linear_pack(pairs), weight.shape[0], True)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias), in W's own column order."""
+        if not self.silu_pairs:
+            return ops.linear_panels(x, self.panels, self.out_features, bias)
+        groups = self.panels.shape[0] // 2
+        y = ops.linear_panels(x, self.panels, 2 * groups * 16)
+        half = self.out_features // 2
+        y = y.view(*x.shape[:-1], groups, 2, 16).transpose(-3, -2).reshape(*x.shape[:-1], 2, groups * 16)
+        y = y[..., :half].reshape(*x.shape[:-1], self.out_features)
+        return y if bias is None else y + bias
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x W_gate^T) * (x W_up^T), one pass (needs ``silu_pairs``)."""
+        return ops.linear_panels_silu_mul(x, self.panels, self.out_features // 2)
 
 
 def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -133,7 +165,7 @@ def pack(model: nn.Module, kernel: str = "onednn") -> int:
         if kernel == "onednn":
             m.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         else:
-            m.packed = PanelWeight(ops.linear_pack(w), w.shape[0])
+            m.packed = PanelWeight.pack(w, silu_pairs=getattr(m, "feeds_silu_mul", False))
         if not _is_tied(model, m):
             # NOTE: the dense copy is never read again (loading is over), so it is released.
             m.weight = nn.Parameter(torch.empty(0, dtype=m.weight.dtype, device=m.weight.device), requires_grad=False)

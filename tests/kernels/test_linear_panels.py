@@ -1,7 +1,9 @@
 """The CPU fp32 panel GEMM (cuda_ext/csrc/cpu/linear.cpp) against F.linear in float64: every
 row-tile remainder (1-6 rows past a multiple of 6), partial last panels (out_features not a
 multiple of 16), strided and 3-D inputs, a bias; rows are independent (a NaN row stays in its
-row); bad arguments are refused; opcheck on both ops."""
+row); bad arguments are refused; opcheck on the ops. The gate/up product with SiLU * up as its
+epilogue (linear_panels_silu_mul) against the same reference, and float for float against
+linear_panels followed by silu_and_mul."""
 
 from __future__ import annotations
 
@@ -90,3 +92,39 @@ def test_opcheck():
     w, x = torch.randn(20, 8), torch.randn(5, 8)
     torch.library.opcheck(lib.linear_pack.default, (w,))
     torch.library.opcheck(lib.linear_panels.default, (x, ops.linear_pack(w), 20))
+
+
+def pair_pack(w: torch.Tensor) -> torch.Tensor:
+    """[gate | up] packed with the halves' 16-row groups alternating (zero-padded per half)."""
+    half, k = w.shape[0] // 2, w.shape[1]
+    groups = -(-half // 16)
+    padded = torch.zeros(2, groups * 16, k)
+    padded[:, :half] = w.view(2, half, k)
+    return ops.linear_pack(padded.view(2, groups, 16, k).transpose(0, 1).reshape(-1, k))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize(("half", "in_features"), [(1, 3), (16, 8), (37, 20), (1536 // 8, 576)])
+def test_silu_mul_epilogue(rows, half, in_features):
+    gen = torch.Generator().manual_seed(rows * 100 + half)
+    w = torch.randn(2 * half, in_features, generator=gen) / in_features**0.5  # products of size ~1
+    x = torch.randn(rows, in_features, generator=gen)
+    got = ops.linear_panels_silu_mul(x, pair_pack(w), half)
+    assert got.shape == (rows, half)
+    g, u = (x.double() @ w.double().T).split(half, dim=-1)
+    torch.testing.assert_close(got, (torch.nn.functional.silu(g) * u).float(), rtol=1e-5, atol=1e-4)
+    # the same floats as the two-pass path (the same sums, then silu_and_mul's expression)
+    separate = ops.silu_and_mul(ops.linear_panels(x, ops.linear_pack(w), 2 * half))
+    assert torch.equal(got, separate)
+
+
+def test_silu_mul_epilogue_refuses_bad_arguments():
+    w = torch.randn(40, 8)
+    packed = pair_pack(w)  # 2 pairs of panels
+    with pytest.raises(RuntimeError, match="linear_panels_silu_mul: out_features 33 does not match 2 panels"):
+        ops.linear_panels_silu_mul(torch.randn(3, 8), packed, 33)
+    with pytest.raises(RuntimeError, match=r"packed must come from linear_pack \(of a \[gate \| up\] weight in pairs"):
+        ops.linear_panels_silu_mul(torch.randn(3, 8), ops.linear_pack(torch.randn(48, 8)), 20)
+    with pytest.raises(RuntimeError, match=r"x must be a float32 CPU \[rows, 8\]"):
+        ops.linear_panels_silu_mul(torch.randn(3, 9), packed, 20)
+    torch.library.opcheck(ops.compiled_library().linear_panels_silu_mul.default, (torch.randn(5, 8), packed, 20))

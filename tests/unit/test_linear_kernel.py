@@ -68,6 +68,31 @@ def test_packed_model_computes_what_f_linear_computes(kernel, tied, rows):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@needs_panels
+@pytest.mark.parametrize("half", [48, 40])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_gate_up_packed_in_pairs_gives_the_product_and_its_silu_mul(half, rows):
+    """A gate/up layer that feeds SiLU * up is packed with its halves' panels in pairs: its
+    product (the path without fused ops) is still x W^T in W's column order, and `silu_mul` is
+    silu(gate) * up of it in one pass (40: halves that do not fill their last panel)."""
+    layer = MergedColumnParallelLinear(32, [half, half], feeds_silu_mul=True)
+    plain = MergedColumnParallelLinear(32, [half, half])
+    layer.weight.data.normal_(std=0.2)
+    w = layer.weight.detach().clone()
+    x = torch.randn(rows, 32)
+    with torch.inference_mode():
+        assert plain.silu_mul(x) is None  # a layer not marked never takes the epilogue
+        linear_kernel.pack(layer, "panels")
+        assert layer.packed.silu_pairs and layer.weight.numel() == 0
+        torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        g, u = F.linear(x, w).split(half, dim=-1)
+        torch.testing.assert_close(layer.silu_mul(x), F.silu(g) * u, rtol=1e-5, atol=1e-5)
+        x3 = x[None].expand(2, rows, 32)
+        torch.testing.assert_close(layer(x3), F.linear(x3, w), rtol=1e-5, atol=1e-5)
+        linear_kernel.pack(plain, "onednn") if linear_kernel.onednn_supported(CPU, torch.float32) else None
+        assert plain.silu_mul(x) is None
+
+
 @pytest.mark.parametrize("kernel", PACKED_KERNELS)
 def test_packing_releases_dense_weights_but_a_tied_head_keeps_the_embedding_table(kernel):
     untied, tied = Tiny(False), Tiny(True)

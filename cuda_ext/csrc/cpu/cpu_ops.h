@@ -38,5 +38,8 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 bool linear_panels_available();
 at::Tensor linear_pack(const at::Tensor& weight);
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
+// silu(x W_gate^T) * (x W_up^T), [rows, out_features], W = [gate | up] packed by linear_pack with
+// gate's and up's panels alternating (panel 2i: gate columns 16i.., 2i + 1: up's).
+at::Tensor linear_panels_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
 
 }  // namespace paged_serve::cpu

@@ -2,6 +2,7 @@
 // vectorise without -ffast-math), shared by the CPU kernels that need many exps.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,5 +29,10 @@ inline float exp_poly(float x) {
   std::memcpy(&y, &bits, sizeof bits);
   return y;
 }
+
+// e^x over the whole float range, x clamped to [-87, 88] (the results there are below FLT_MIN or
+// near FLT_MAX; SiLU only divides by 1 + e^x, so the clamp moves nothing it returns by more
+// than ~1e-37).
+inline float exp_clamped(float x) { return exp_poly(std::min(std::max(x, -87.0f), 88.0f)); }
 
 }  // namespace paged_serve::cpu

@@ -45,10 +45,6 @@ inline float as_dtype(float v) {
   }
 }
 
-// e^x over the whole float range, vectorised (exp_poly.h), x clamped to [-87, 88] (the results
-// there are below FLT_MIN or near FLT_MAX; SiLU only divides by 1 + e^x, so the clamp moves
-// nothing it returns by more than ~1e-37).
-inline float exp_clamped(float x) { return exp_poly(std::min(std::max(x, -87.0f), 88.0f)); }
 
 bool is_model_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 

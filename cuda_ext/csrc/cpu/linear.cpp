@@ -13,8 +13,14 @@
 // for the row tiles after the first), prefetching the next panel while the first tile streams
 // the current one. Every output is one fp32 sum over k in order (no reassociation), so results
 // differ from other GEMMs only in summation order (~1e-6 relative).
+//
+// linear_panels_silu_mul is the MLP's gate/up product with SiLU * up as its epilogue: with the
+// halves' panels alternating, one thread computes a gate tile and the matching up tile and
+// stores only silu(gate) * up, so the [rows, 2 x intermediate] product is never written nor
+// read back by a separate pass.
 
 #include "cpu_ops.h"
+#include "exp_poly.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -79,18 +85,51 @@ void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel,
 #undef PS_ROW
 #undef PS_STORE
 
+// The first `rows` (1..kMr) rows of x times one panel; see tile().
+void tile_rows(int rows, const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy, int cols,
+               const float* next) {
+  switch (rows) {
+    case 6: tile<6>(x, ldx, panel, K, y, ldy, cols, next); break;
+    case 5: tile<5>(x, ldx, panel, K, y, ldy, cols, next); break;
+    case 4: tile<4>(x, ldx, panel, K, y, ldy, cols, next); break;
+    case 3: tile<3>(x, ldx, panel, K, y, ldy, cols, next); break;
+    case 2: tile<2>(x, ldx, panel, K, y, ldy, cols, next); break;
+    case 1: tile<1>(x, ldx, panel, K, y, ldy, cols, next); break;
+    default: break;
+  }
+}
+
+// All M rows of x times one panel (the panel stays in L1/L2 after the first row tile, which
+// also prefetches `next`).
 void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t K, float* y, int64_t ldy,
                 int cols, const float* next) {
-  int64_t m = 0;
-  for (; m + kMr <= M; m += kMr) tile<kMr>(x + m * ldx, ldx, panel, K, y + m * ldy, ldy, cols, m == 0 ? next : nullptr);
-  const float* pre = m == 0 ? next : nullptr;
-  switch (M - m) {
-    case 5: tile<5>(x + m * ldx, ldx, panel, K, y + m * ldy, ldy, cols, pre); break;
-    case 4: tile<4>(x + m * ldx, ldx, panel, K, y + m * ldy, ldy, cols, pre); break;
-    case 3: tile<3>(x + m * ldx, ldx, panel, K, y + m * ldy, ldy, cols, pre); break;
-    case 2: tile<2>(x + m * ldx, ldx, panel, K, y + m * ldy, ldy, cols, pre); break;
-    case 1: tile<1>(x + m * ldx, ldx, panel, K, y + m * ldy, ldy, cols, pre); break;
-    default: break;
+  for (int64_t m = 0; m < M; m += kMr) {
+    tile_rows(static_cast<int>(std::min<int64_t>(kMr, M - m)), x + m * ldx, ldx, panel, K, y + m * ldy, ldy, cols,
+              m == 0 ? next : nullptr);
+  }
+}
+
+// y[:, 0:cols] = silu(x gate) * (x up) for a pair of panels, gate's then up's (columns c of
+// both are the same output column). Per row tile, both products go to a small buffer and only
+// the result is stored; `next`: the next pair, prefetched during the first row tile.
+void pair_rows(const float* x, int64_t ldx, int64_t M, const float* gate, int64_t K, float* y, int64_t ldy, int cols,
+               const float* next) {
+  const float* up = gate + K * kNr;
+  alignas(32) float g[kMr * kNr], u[kMr * kNr];
+  for (int64_t m = 0; m < M; m += kMr) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMr, M - m));
+    const bool first = m == 0 && next != nullptr;
+    tile_rows(rows, x + m * ldx, ldx, gate, K, g, kNr, kNr, first ? next : nullptr);
+    tile_rows(rows, x + m * ldx, ldx, up, K, u, kNr, kNr, first ? next + K * kNr : nullptr);
+    for (int r = 0; r < rows; ++r) {
+      float* dst = y + (m + r) * ldy;
+      const float* gr = g + r * kNr;
+      const float* ur = u + r * kNr;
+      // NOTE: the expression of fused.cpp's silu_mul_rows for fp32, so this epilogue and the
+      // separate silu_and_mul op over linear_panels' output give the same floats.
+#pragma omp simd
+      for (int c = 0; c < cols; ++c) dst[c] = gr[c] / (1.0f + exp_clamped(-gr[c])) * ur[c];
+    }
   }
 }
 
@@ -120,17 +159,24 @@ at::Tensor linear_pack(const at::Tensor& weight) {
   return packed;
 }
 
-at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-  PS_CHECK(linear_panels_available(), "linear_panels: this build has no AVX2/FMA kernel (built for a CPU without them)");
+namespace {
+
+// y = x times every panel (kPairs: every pair of panels, SiLU * up as the epilogue), the panels
+// (pairs) split over threads, each walking its share in order and prefetching the next.
+template <bool kPairs>
+at::Tensor panels_product(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  constexpr int64_t group = kPairs ? 2 : 1;
+  PS_CHECK(linear_panels_available(), op, ": this build has no AVX2/FMA kernel (built for a CPU without them)");
   PS_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.size(2) == kNr && packed.is_contiguous() &&
-               packed.scalar_type() == at::kFloat,
-           "linear_panels: packed must come from linear_pack, got ", packed.sizes());
-  const int64_t K = packed.size(1);
-  PS_CHECK(out_features > (packed.size(0) - 1) * kNr && out_features <= packed.size(0) * kNr,
-           "linear_panels: out_features ", out_features, " does not match ", packed.size(0), " panels");
+               packed.scalar_type() == at::kFloat && packed.size(0) % group == 0,
+           op, ": packed must come from linear_pack", kPairs ? " (of a [gate | up] weight in pairs)" : "", ", got ",
+           packed.sizes());
+  const int64_t K = packed.size(1), units = packed.size(0) / group;
+  PS_CHECK(out_features > (units - 1) * kNr && out_features <= units * kNr, op, ": out_features ", out_features,
+           " does not match ", units, " panels");
   PS_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-           "linear_panels: x must be a float32 CPU [rows, ", K, "] tensor with a contiguous last dim, got ", x.sizes(),
-           " ", x.scalar_type());
+           op, ": x must be a float32 CPU [rows, ", K, "] tensor with a contiguous last dim, got ", x.sizes(), " ",
+           x.scalar_type());
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, out_features}, x.options());
 #if PAGED_SERVE_LINEAR_PANELS
@@ -138,16 +184,31 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* xs = x.const_data_ptr<float>();
   const float* ps = packed.const_data_ptr<float>();
   float* ys = y.data_ptr<float>();
-  const int64_t ldx = x.stride(0), panels = packed.size(0);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  const int64_t ldx = x.stride(0), stride = group * K * kNr;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const float* panel = ps + p * K * kNr;
+      const float* first = ps + p * stride;
+      const float* next = p + 1 < end ? first + stride : nullptr;
       const int cols = static_cast<int>(std::min(kNr, out_features - p * kNr));
-      panel_rows(xs, ldx, M, panel, K, ys + p * kNr, out_features, cols, p + 1 < end ? panel + K * kNr : nullptr);
+      if constexpr (kPairs) {
+        pair_rows(xs, ldx, M, first, K, ys + p * kNr, out_features, cols, next);
+      } else {
+        panel_rows(xs, ldx, M, first, K, ys + p * kNr, out_features, cols, next);
+      }
     }
   });
 #endif
   return y;
+}
+
+}  // namespace
+
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  return panels_product<false>("linear_panels", x, packed, out_features);
+}
+
+at::Tensor linear_panels_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  return panels_product<true>("linear_panels_silu_mul", x, packed, out_features);
 }
 
 }  // namespace paged_serve::cpu
