@@ -44,6 +44,8 @@ __all__ = [
     "linear_panels_available",
     "linear_panels_silu_mul",
     "paged_attention",
+    "prefill_attention",
+    "prefill_attention_available",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
@@ -158,6 +160,24 @@ def paged_attention(
             out, query, key_cache, value_cache, block_tables, context_lens, scale,
             max_context_len,
         )
+
+
+@functools.cache
+def prefill_attention_available() -> bool:
+    """Whether the CPU fp32 prefill attention kernel (csrc/cpu/prefill_attention.cpp: AVX2 + FMA
+    builds) is loaded."""
+    return backend() in ("cpu", "cuda") and bool(torch.ops.paged_serve.prefill_attention_available())
+
+
+def prefill_attention(out: Tensor, query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
+                      spans: Tensor, scale: float) -> None:
+    """Causal attention of prompt chunks, all in one call, every key and value read through the
+    chunk's block table (its cached prefix and its own tokens, already written by
+    :func:`reshape_and_cache`). Writes ``out`` ``[tokens, heads, head]`` (fp32, CPU, like
+    ``query``). ``spans`` ``[chunks, 3]`` int32: each chunk's first row, tokens, and tokens cached
+    before it (its first position); ``block_tables`` ``[chunks, width]`` int32. Matches SDPA
+    per chunk (``is_causal`` over the whole context) up to summation order."""
+    torch.ops.paged_serve.prefill_attention(out, query, key_cache, value_cache, block_tables, spans, scale)
 
 
 def draw_tokens_compiled(logits: Tensor) -> bool:

@@ -58,6 +58,11 @@ TORCH_LIBRARY(paged_serve, m) {
   m.def("linear_panels(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("linear_panels_silu_mul(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("linear_panels_available() -> bool", &cpu::linear_panels_available);
+  // Causal prefill attention of all a step's prompt chunks over the paged caches
+  // (cpu/prefill_attention.cpp); CPU fp32 only.
+  m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor spans, float scale) -> ()");
+  m.def("prefill_attention_available() -> bool", &cpu::prefill_attention_available);
   // The CUDA kernels' report of a bad device-resident index since the last call (a
   // cuda::ErrorCode, 0: none), reset; always 0 in a build without CUDA.
   m.def("take_device_error() -> int", &take_device_error_any);
@@ -76,6 +81,7 @@ TORCH_LIBRARY_IMPL(paged_serve, CPU, m) {
   m.impl("linear_pack", &cpu::linear_pack);
   m.impl("linear_panels", &cpu::linear_panels);
   m.impl("linear_panels_silu_mul", &cpu::linear_panels_silu_mul);
+  m.impl("prefill_attention", &cpu::prefill_attention);
 }
 
 // The ops only write into tensors they are given, so their shape functions do nothing.
@@ -99,6 +105,8 @@ TORCH_LIBRARY_IMPL(paged_serve, Meta, m) {
   m.impl("linear_panels_silu_mul", [](const at::Tensor& x, const at::Tensor&, int64_t out_features) {
     return at::empty({x.size(0), out_features}, x.options());
   });
+  m.impl("prefill_attention", [](at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, double) {});
 }
 
 #ifdef PAGED_SERVE_WITH_CUDA

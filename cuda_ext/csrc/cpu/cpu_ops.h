@@ -42,4 +42,12 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // gate's and up's panels alternating (panel 2i: gate columns 16i.., 2i + 1: up's).
 at::Tensor linear_panels_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
 
+// Causal attention of a step's prompt chunks over the paged caches (prefill_attention.cpp); CPU
+// fp32 only, AVX2 + FMA builds only. spans [chunks, 3] int32: first query row, tokens, tokens
+// cached before the chunk; block_tables [chunks, width] int32.
+bool prefill_attention_available();
+void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& spans,
+                       double scale);
+
 }  // namespace paged_serve::cpu

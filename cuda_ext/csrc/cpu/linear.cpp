@@ -21,6 +21,7 @@
 
 #include "cpu_ops.h"
 #include "exp_poly.h"
+#include "panel_tile.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -29,82 +30,21 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGED_SERVE_LINEAR_PANELS 1
-#else
-#define PAGED_SERVE_LINEAR_PANELS 0
-#endif
-
 namespace paged_serve::cpu {
 namespace {
 
-constexpr int64_t kNr = 16;  // output columns per panel (two ymm registers)
-constexpr int kMr = 6;       // rows per micro-kernel tile (12 accumulators + 2 weights + 1 broadcast)
+using panel::kMr;
+using panel::kNr;
 
 #if PAGED_SERVE_LINEAR_PANELS
-
-// NOTE: named accumulators, not an array: GCC 12 kept an __m256 acc[6][2] in registers but also
-// stored it to the stack on every k (dead stores it could not remove), at 60% of this speed.
-#define PS_ROW(r)                                                                    \
-  if constexpr (MR > r) {                                                            \
-    const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);                           \
-    c##r##0 = _mm256_fmadd_ps(a, w0, c##r##0);                                       \
-    c##r##1 = _mm256_fmadd_ps(a, w1, c##r##1);                                       \
-  }
-#define PS_STORE(r)                                                                  \
-  if constexpr (MR > r) {                                                            \
-    float* row = y + r * ldy;                                                        \
-    if (full) {                                                                      \
-      _mm256_storeu_ps(row, c##r##0);                                                \
-      _mm256_storeu_ps(row + 8, c##r##1);                                            \
-    } else {                                                                         \
-      _mm256_maskstore_ps(row, lo, c##r##0);                                         \
-      _mm256_maskstore_ps(row + 8, hi, c##r##1);                                     \
-    }                                                                                \
-  }
-
-// y[r, 0:cols] = x[r, :] . panel for r < MR. x rows ldx apart, y rows ldy apart; `next`: a
-// panel to prefetch a line of per k (or null).
-template <int MR>
-void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t K, float* __restrict y,
-          int64_t ldy, int cols, const float* next) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
-         c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  for (int64_t k = 0; k < K; ++k) {
-    if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + k * kNr), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kNr), w1 = _mm256_loadu_ps(panel + k * kNr + 8);
-    PS_ROW(0) PS_ROW(1) PS_ROW(2) PS_ROW(3) PS_ROW(4) PS_ROW(5)
-  }
-  const bool full = cols == kNr;
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lane);
-  const __m256i hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8), lane);
-  PS_STORE(0) PS_STORE(1) PS_STORE(2) PS_STORE(3) PS_STORE(4) PS_STORE(5)
-}
-#undef PS_ROW
-#undef PS_STORE
-
-// The first `rows` (1..kMr) rows of x times one panel; see tile().
-void tile_rows(int rows, const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy, int cols,
-               const float* next) {
-  switch (rows) {
-    case 6: tile<6>(x, ldx, panel, K, y, ldy, cols, next); break;
-    case 5: tile<5>(x, ldx, panel, K, y, ldy, cols, next); break;
-    case 4: tile<4>(x, ldx, panel, K, y, ldy, cols, next); break;
-    case 3: tile<3>(x, ldx, panel, K, y, ldy, cols, next); break;
-    case 2: tile<2>(x, ldx, panel, K, y, ldy, cols, next); break;
-    case 1: tile<1>(x, ldx, panel, K, y, ldy, cols, next); break;
-    default: break;
-  }
-}
+using panel::tile_rows;
 
 // All M rows of x times one panel (the panel stays in L1/L2 after the first row tile, which
 // also prefetches `next`).
 void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t K, float* y, int64_t ldy,
                 int cols, const float* next) {
   for (int64_t m = 0; m < M; m += kMr) {
-    tile_rows(static_cast<int>(std::min<int64_t>(kMr, M - m)), x + m * ldx, ldx, panel, K, y + m * ldy, ldy, cols,
+    tile_rows(static_cast<int>(std::min<int64_t>(kMr, M - m)), x + m * ldx, ldx, panel, kNr, K, y + m * ldy, ldy, cols,
               m == 0 ? next : nullptr);
   }
 }
@@ -119,8 +59,8 @@ void pair_rows(const float* x, int64_t ldx, int64_t M, const float* gate, int64_
   for (int64_t m = 0; m < M; m += kMr) {
     const int rows = static_cast<int>(std::min<int64_t>(kMr, M - m));
     const bool first = m == 0 && next != nullptr;
-    tile_rows(rows, x + m * ldx, ldx, gate, K, g, kNr, kNr, first ? next : nullptr);
-    tile_rows(rows, x + m * ldx, ldx, up, K, u, kNr, kNr, first ? next + K * kNr : nullptr);
+    tile_rows(rows, x + m * ldx, ldx, gate, kNr, K, g, kNr, kNr, first ? next : nullptr);
+    tile_rows(rows, x + m * ldx, ldx, up, kNr, K, u, kNr, kNr, first ? next + K * kNr : nullptr);
     for (int r = 0; r < rows; ++r) {
       float* dst = y + (m + r) * ldy;
       const float* gr = g + r * kNr;
