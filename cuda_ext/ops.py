@@ -215,10 +215,7 @@ def linear_pack(weight: Tensor) -> Tensor:
 def linear_panels(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
     """x W^T (+ bias) for x ``[..., in_features]`` fp32 on the CPU and W packed by
     :func:`linear_pack`; the same product as ``F.linear(x, W, bias)`` up to summation order."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    y = torch.ops.paged_serve.linear_panels(rows, packed, out_features)
+    y = torch.ops.paged_serve.linear_panels(_rows(x), packed, out_features)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], out_features)
@@ -230,11 +227,14 @@ def linear_panels_silu_mul(x: Tensor, packed: Tensor, out_features: int) -> Tens
     groups alternate: G's rows 0-15, U's rows 0-15, G's 16-31, ... (each half zero-padded to a
     multiple of 16 rows). The same floats as :func:`linear_panels` over ``[G | U]`` followed by
     :func:`silu_and_mul`, without storing the two products."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    y = torch.ops.paged_serve.linear_panels_silu_mul(rows, packed, out_features)
+    y = torch.ops.paged_serve.linear_panels_silu_mul(_rows(x), packed, out_features)
     return y.view(*x.shape[:-1], out_features)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x ``[..., in_features]`` as the 2-D rows the panel kernels take (last dim contiguous)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cuda_ext import ops
+from engine.models.linear_kernel import PanelWeight
 from tests.kernels.kernel_cases import require_compiled
 
 pytestmark = pytest.mark.skipif(
@@ -95,12 +96,9 @@ def test_opcheck():
 
 
 def pair_pack(w: torch.Tensor) -> torch.Tensor:
-    """[gate | up] packed with the halves' 16-row groups alternating (zero-padded per half)."""
-    half, k = w.shape[0] // 2, w.shape[1]
-    groups = -(-half // 16)
-    padded = torch.zeros(2, groups * 16, k)
-    padded[:, :half] = w.view(2, half, k)
-    return ops.linear_pack(padded.view(2, groups, 16, k).transpose(0, 1).reshape(-1, k))
+    """[gate | up] packed with the halves' 16-row groups alternating (zero-padded per half), as
+    the model packs it."""
+    return PanelWeight.pack(w, silu_pairs=True).panels
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 64])
