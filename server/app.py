@@ -93,6 +93,7 @@ def _on_engine_ready(ctx: ServerContext, llm: Any) -> None:
                                 chat_template=ctx.settings.chat_template,
                                 max_prompt_tokens=ctx.settings.max_prompt_tokens_per_request,
                                 grammars=llm.structured_outputs)
+    _warm_structured_outputs(llm)
     ctx.generation_defaults, ctx.generation_config_file = load_generation_defaults(
         ctx.settings.generation_config, config.path)
     if ctx.generation_defaults:
@@ -108,6 +109,22 @@ def _on_engine_ready(ctx: ServerContext, llm: Any) -> None:
         logger.exception("metrics could not be set up; /metrics will answer 503")
     logger.info("Serving %s (max_model_len %d); cache: %s", ctx.model_name, ctx.max_model_len,
                 _safe(llm.cache_info))
+
+
+def _warm_structured_outputs(llm: Any) -> None:
+    """Build the structured-output tokenizer while loading rather than on the first constrained
+    request, whose build would stall every stream (see `StructuredOutputCompiler.warm_up`).
+    A failure here is logged; the build is then tried again (and fails that request alone)."""
+    compiler = getattr(llm, "structured_outputs", None)
+    if compiler is None:
+        return
+    try:
+        seconds = compiler.warm_up()
+    except Exception:  # noqa: BLE001 - structured outputs are one feature, not the server
+        logger.exception("structured outputs: the vocabulary could not be prepared; constrained requests will fail")
+        return
+    if seconds:
+        logger.info("Structured outputs: vocabulary prepared in %.2f s", seconds)
 
 
 def _safe(fn: Callable[[], Any]) -> Any:

@@ -168,3 +168,40 @@ def test_compiler_caches_by_value_and_not_errors(compiler):
             compiler.grammar(bad)
     assert bad not in compiler._grammars
 
+
+
+def test_warm_up_builds_the_vocabulary_once_and_requests_reuse_it(tokenizer, monkeypatch):
+    """The server warms the compiler up while loading (server/app.py): the vocabulary's build
+    holds the GIL, so a constrained request must not be the one that pays for it."""
+    import llguidance.hf
+
+    from server.app import _warm_structured_outputs
+
+    builds = []
+    real = llguidance.hf.from_tokenizer
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", lambda *a, **k: builds.append(1) or real(*a, **k))
+
+    class Engine:
+        structured_outputs = StructuredOutputCompiler(tokenizer, VOCAB)
+
+    _warm_structured_outputs(Engine)
+    assert builds == [1]
+    Engine.structured_outputs.prepare(GuidedDecoding("regex", "[0-9]+"))
+    Engine.structured_outputs.warm_up()
+    assert builds == [1]
+    assert StructuredOutputCompiler(None, VOCAB).warm_up() == 0.0  # a model without a tokenizer
+
+
+def test_a_failed_warm_up_is_logged_and_not_raised(caplog):
+    from server.app import _warm_structured_outputs
+
+    class Broken:
+        def warm_up(self):
+            raise RuntimeError("no vocabulary")
+
+    class Engine:
+        structured_outputs = Broken()
+
+    _warm_structured_outputs(Engine)
+    _warm_structured_outputs(object())  # an engine without structured outputs
+    assert "could not be prepared" in caplog.text
