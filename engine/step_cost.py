@@ -16,8 +16,15 @@ The model is linear in what a step computes:
 
     seconds = a + b * decode_rows + c * prefill_tokens + d * context_tokens / 1000
 
-(`context_tokens`: the KV tokens the step's sequences attend to). It is fitted by least squares
-over the recent steps, each weighted by `decay ** age`, so it follows a machine whose speed
+(`context_tokens`: the KV tokens the step's sequences attend to), with b >= c: a decode row
+runs every layer for one token, as a prefill token does, and the LM head and the sampler besides.
+It is fitted as `a + c * tokens + e * decode_rows + d * context_tokens / 1000` (tokens: decode
+rows + prefill tokens; e = b - c) with every slope >= 0.
+NOTE: steps of about the same size (the budget's, or the cap's own: decode rows + prefill tokens
+the same in each) cannot tell b from c. Fitted freely, a 64-stream run's steps gave b = 0 (a row
+costing nothing, the context slope and a negative intercept making up for it), and a step of
+decodes alone came out at a fraction of its time. It is fitted by least squares over the recent
+steps, each weighted by `decay ** age`, so it follows a machine whose speed
 changes (another process, a longer context) within a few dozen steps. Until the fit has seen
 enough of both kinds of work it answers None and the scheduler does not cap anything; the server
 trains it before its first request (engine/step_calibration.py).
@@ -50,7 +57,7 @@ class StepCost:
         sample, book-keeping, which is what the streams wait for between tokens)."""
         if seconds <= 0.0 or decode_rows + prefill_tokens <= 0:
             return
-        x = (1.0, float(decode_rows), float(prefill_tokens), context_tokens / 1000.0)
+        x = (1.0, float(decode_rows + prefill_tokens), float(decode_rows), context_tokens / 1000.0)
         keep = self.decay
         for i in range(_FEATURES):
             row, xi = self._xtx[i], x[i]
@@ -67,7 +74,8 @@ class StepCost:
         if self.prefill_steps < self.min_steps or self.decode_steps < self.min_steps:
             return None
         if self._stale:
-            self._coef = _solve_nonnegative(self._xtx, self._xty)
+            fit = _solve_nonnegative(self._xtx, self._xty)  # (a, c, e = b - c, d)
+            self._coef = None if fit is None else [fit[0], fit[1] + fit[2], fit[1], fit[3]]
             self._stale = False
         coef = self._coef
         if coef is None or coef[2] <= 0.0:
