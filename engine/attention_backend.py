@@ -147,7 +147,7 @@ class TorchPagedBackend(AttentionBackend):
             else:
                 table = span.block_table
                 if table is None:  # built for the CPU kernel, which does not apply to these tensors
-                    table = meta.prefill_tables[i].long()
+                    table = meta.prefill_tables[i]
                 ks, vs = ops.gather_cached_kv(key_cache, value_cache, table, span.num_cached + span.end - span.start)
             out[span.start : span.end] = _prefill(qs, ks, vs, span.num_cached, layer.scale)
 

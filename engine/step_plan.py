@@ -6,7 +6,7 @@ requests run is the scheduler's."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING
@@ -95,35 +95,38 @@ def _exempting_wait_s(config: SchedulerConfig) -> float | None:
     return config.target_ttft_ms / 1000.0
 
 
-def prefill_backlog(running: Iterable[SequenceGroup], waiting: Iterable[SequenceGroup], limit: int) -> int:
-    """The uncomputed tokens of the requests that have not sampled their first token (running
-    ones part way through their prompt, then waiting ones), counted until they pass `limit`
-    (NOTE: so the count stops after at most `limit` waiting requests, however long the queue)."""
-    total = 0
+def _unsampled(running: Iterable[SequenceGroup], waiting: Iterable[SequenceGroup]) -> Iterator[SequenceGroup]:
+    """The requests that have not sampled their first token: running ones part way through
+    their prompt, then waiting ones."""
     for group in chain(running, waiting):
-        seq = group.seqs[0]
-        if not seq.output_token_ids:
-            total += seq.num_uncomputed_tokens
-            if total > limit:
-                break
+        if not group.seqs[0].output_token_ids:
+            yield group
+
+
+def prefill_backlog(running: Iterable[SequenceGroup], waiting: Iterable[SequenceGroup], limit: int) -> int:
+    """The uncomputed tokens of the requests that have not sampled their first token, counted
+    until they pass `limit` (NOTE: so the count stops after at most `limit` waiting requests,
+    however long the queue)."""
+    total = 0
+    for group in _unsampled(running, waiting):
+        total += group.seqs[0].num_uncomputed_tokens
+        if total > limit:
+            break
     return total
 
 
 def queued_decodes(running: Iterable[SequenceGroup], waiting: Iterable[SequenceGroup], rows: int) -> tuple[int, int]:
-    """(sequences, prompt tokens) of the requests that have not sampled their first token
-    (running ones part way through their prompt, then waiting ones): the decodes they will add
-    once prefilled, each counted as its samples (best_of), and the context those attend to.
-    Counting stops once `rows` sequences are counted (NOTE: so it stops after at most `rows`
-    requests, however long the queue)."""
+    """(sequences, prompt tokens) of the requests that have not sampled their first token: the
+    decodes they will add once prefilled, each counted as its samples (best_of), at most `rows`
+    in all, and the context those attend to. Counting stops there (NOTE: so it stops after at
+    most `rows` requests, however long the queue)."""
     seqs = tokens = 0
-    for group in chain(running, waiting):
-        seq = group.seqs[0]
-        if not seq.output_token_ids:
-            seqs += group.num_seqs_reserved
-            tokens += len(seq)
-            if seqs >= rows:
-                break
-    return seqs, tokens
+    for group in _unsampled(running, waiting):
+        seqs += group.num_seqs_reserved
+        tokens += len(group.seqs[0])
+        if seqs >= rows:
+            break
+    return min(seqs, rows), tokens
 
 
 class StepPlan:
@@ -275,8 +278,7 @@ class StepPlan:
             if fits is not None:
                 room = cap.max_rows - len(self.decodes)
                 queued, prompts = cap.queued(room) if room > 0 else (0, 0)
-                rows = len(self.decodes) + min(queued, max(room, 0))
-                if cap.cost.predict(rows, 0, context + prompts) >= cap.step_s / 2:
+                if cap.cost.predict(len(self.decodes) + queued, 0, context + prompts) >= cap.step_s / 2:
                     fits = None
             if fits is not None:
                 fits = max(fits, cap.floor)

@@ -45,7 +45,6 @@ inline float as_dtype(float v) {
   }
 }
 
-
 bool is_model_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 void check_rows(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype) {
