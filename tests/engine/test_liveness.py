@@ -93,7 +93,11 @@ def step_ms(decodes: int, prefill: int, rng: random.Random) -> float:
 def step(sched: Scheduler, rng: random.Random, w: World) -> list[SequenceGroup]:
     """One engine step without a model; returns the requests that finished."""
     bm = sched.block_manager
+    oldest = sched.oldest()
     out = sched.schedule()
+    # The oldest request advances every step (the liveness argument's premise), whatever order
+    # the step runs its chunk in.
+    assert oldest is None or any(s.group is oldest for s in out.scheduled), oldest.request_id
     if sched.step_cost is not None:  # what LLMEngine.step reports of the step's time
         d = sum(not s.is_prefill for s in out.scheduled)
         p = sum(s.num_tokens for s in out.scheduled if s.is_prefill)
