@@ -179,14 +179,20 @@ class ModelRunner:
         cache.copy(step.blocks_to_copy)
         if not step.seqs:
             return StepOutput(torch.empty(0, self.config.hf_config.vocab_size))
-        input_ids, positions, meta, last_rows, extra_rows = self._prepare(step)
-        hidden = self.model(input_ids, positions, meta, cache.kv_caches)
-        logits = self.model.compute_logits(hidden[last_rows]).float()
-        return StepOutput(logits, self._prompt_scores(step, hidden, extra_rows))
+        input_ids, positions, meta, rows = self._prepare(step)
+        # NOTE: the model carries only `rows` past the last layer's attention when that leaves
+        # any token out (a prefill's other prompt tokens); a step of decodes keeps them all.
+        cut = len(rows) < len(input_ids)
+        hidden = self.model(input_ids, positions, meta, cache.kv_caches, rows if cut else None)
+        if not cut:
+            hidden = hidden.index_select(0, rows)
+        num_seqs = len(step.seqs)
+        logits = self.model.compute_logits(hidden[:num_seqs]).float()
+        return StepOutput(logits, self._prompt_scores(step, hidden[num_seqs:]))
 
-    def _prompt_scores(self, step: StepInput, hidden: torch.Tensor, rows: torch.Tensor):
-        """`StepOutput.prompt_scores`; `rows` indexes `hidden` at every scored token's
-        predecessor, in step order."""
+    def _prompt_scores(self, step: StepInput, hidden: torch.Tensor):
+        """`StepOutput.prompt_scores`; `hidden` holds every scored token's predecessor, in step
+        order."""
         wanted = [s for s in step.seqs if s.prompt_logprobs is not None]
         targets = [t for s in wanted for t in s.token_ids[1:]]
         num_top = [s.prompt_logprobs for s in wanted for _ in s.token_ids[1:]]
@@ -195,7 +201,7 @@ class ModelRunner:
         chunk = step.logit_chunk_rows
         for c in range(0, len(targets), chunk):
             # NOTE: chunks may span sequences; each is reduced to scores before the next exists.
-            logits = self.model.compute_logits(hidden[rows[c : c + chunk]])
+            logits = self.model.compute_logits(hidden[c : c + chunk])
             if driver:
                 scores.extend(score_tokens(logits, targets[c : c + chunk], num_top[c : c + chunk]))
         out: list[list[SampleResult] | None] = []
@@ -210,21 +216,23 @@ class ModelRunner:
 
     def _prepare(self, step: StepInput):
         """The step's model inputs (token ids, positions), its attention metadata (the
-        backend's), the rows whose logits are wanted, and the prompt-logprob rows."""
+        backend's), and the rows whose hidden states are wanted: each sequence's last token
+        (its logits), then the other computed tokens of sequences with prompt_logprobs."""
         ids = array("q")
         pos = array("q")
-        last_rows = array("q")
-        extra_rows = array("q")  # the other computed tokens of sequences with prompt_logprobs
+        rows = array("q")
+        extra_rows = array("q")
         for s in step.seqs:
             row0, n = len(ids), len(s.token_ids)
             ids.extend(s.token_ids)
             pos.extend(range(s.start, s.start + n))
-            last_rows.append(row0 + n - 1)
+            rows.append(row0 + n - 1)
             if s.prompt_logprobs is not None:
                 extra_rows.extend(range(row0, row0 + n - 1))
+        rows.extend(extra_rows)
         meta = self.attn_backend.build_metadata(step.seqs, step.table_rows)
         dev = self.device
-        return _tensor(ids, dev), _tensor(pos, dev), meta, _tensor(last_rows, dev), _tensor(extra_rows, dev)
+        return _tensor(ids, dev), _tensor(pos, dev), meta, _tensor(rows, dev)
 
 
 def _tensor(values: array, device: torch.device) -> torch.Tensor:

@@ -37,7 +37,8 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5)
 
-    def forward(self, positions, x, meta: AttentionMetadata, kv_cache):
+    def forward(self, positions, x, meta: AttentionMetadata, kv_cache, rows=None):
+        """Every token's K/V goes to the cache; the output is that of `rows` only (None: all)."""
         T = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -45,7 +46,7 @@ class LlamaAttention(nn.Module):
         # rotation writes into it, and the attention backend reads strided rows.
         self.rotary(positions, q.view(T, self.num_heads, self.head_size), k.view(T, self.num_kv_heads, self.head_size))
         o = self.attn(q, k, v, meta, kv_cache)
-        return self.o_proj(o)
+        return self.o_proj(o if rows is None else o.index_select(0, rows))
 
 
 class LlamaMLP(nn.Module):
@@ -73,9 +74,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, residual, meta, kv_cache):
+    def forward(self, positions, x, residual, meta, kv_cache, rows=None):
+        """`rows`: the token rows to carry past the attention (None: all), in that order."""
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta, kv_cache)
+        x = self.self_attn(positions, x, meta, kv_cache, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -89,10 +93,15 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, meta, kv_caches):
+    def forward(self, input_ids, positions, meta, kv_caches, rows=None):
         x, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, meta, kv_cache)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            # NOTE: past the last layer's attention only the rows whose hidden states are wanted
+            # matter (a prompt's other tokens only leave their K/V in the cache), so its o_proj
+            # and MLP run on those alone: ~1/num_layers of a long prefill's work. Every kernel
+            # here works row by row, so the rows kept get the same floats as without the cut.
+            x, residual = layer(positions, x, residual, meta, kv_cache, rows if i == last else None)
         x, _ = self.norm(x, residual)
         return x
 
@@ -114,9 +123,10 @@ class LlamaForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] for the flattened batch."""
-        return self.model(input_ids, positions, meta, kv_caches)
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, rows=None) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] for the flattened batch; with `rows` (int64 token
+        indices), those rows' only, in that order ([len(rows), hidden])."""
+        return self.model(input_ids, positions, meta, kv_caches, rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

@@ -9,6 +9,8 @@ import random
 from array import array
 from pathlib import Path
 
+import torch
+
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.outputs import OutputKind
@@ -92,3 +94,55 @@ def test_a_long_streamed_text_is_sliced_per_step_never_joined_whole(tokenizer):
     assert len(seq.output_token_ids) == NEW_TOKENS and seq.text_len > 2 * NEW_TOKENS
     assert seq.text_joins == 0  # no step built the whole text
     assert "".join(deltas) == seq.output_text
+
+
+def test_past_the_last_attention_a_prefill_carries_only_the_rows_it_samples(tmp_path):
+    """One step prefills two prompts (40 and 25 tokens) beside a decode. Every layer's
+    attention sees all 66 tokens, but the last layer's o_proj and MLP get only the 3 rows whose
+    logits are wanted (the other layers' MLPs all 66; counted, not timed), and those logits are
+    the same floats as a pass that carries every row to the end. A step of decodes keeps all."""
+    engine = tiny_engine(tmp_path)
+    model = engine.executor.runner.model
+    layers = model.model.layers
+    rows_in: dict[int, list[int]] = {0: [], len(layers) - 1: []}
+    counting = [True]
+    for i in rows_in:
+        layers[i].mlp.register_forward_pre_hook(
+            lambda m, args, i=i: rows_in[i].append(args[0].shape[0]) if counting[0] else None)
+    logits_seen = []
+    compute_logits = model.compute_logits
+
+    def recording(hidden):
+        logits = compute_logits(hidden)
+        logits_seen.append(logits)
+        return logits
+
+    model.compute_logits = recording
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("first", [5, 6, 7], greedy)
+    engine.step()  # its prefill; it decodes in the next step
+    engine.add_request("a", [(7 * k) % 1000 + 3 for k in range(40)], greedy)
+    engine.add_request("b", [(11 * k) % 1000 + 3 for k in range(25)], greedy)
+    out = engine.scheduler.schedule
+    tokens = []
+    engine.scheduler.schedule = lambda: (lambda o: tokens.append(o.num_batched_tokens) or o)(out())
+    for hook in rows_in.values():
+        hook.clear()
+    forward = model.forward
+    full = []
+
+    def both(input_ids, positions, meta, kv_caches, rows=None):
+        if rows is not None:  # NOTE: the same K/V is written twice to the same slots
+            counting[0] = False
+            full.append(forward(input_ids, positions, meta, kv_caches).index_select(0, rows))
+            counting[0] = True
+        return forward(input_ids, positions, meta, kv_caches, rows)
+
+    model.forward = both
+    engine.step()
+    assert tokens == [66] and rows_in == {0: [66], len(layers) - 1: [3]}
+    assert len(full) == 1 and torch.equal(logits_seen[-1], compute_logits(full[0]).float())
+    for hook in rows_in.values():
+        hook.clear()
+    engine.step()  # three decodes
+    assert rows_in == {0: [3], len(layers) - 1: [3]}
