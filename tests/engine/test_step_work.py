@@ -123,11 +123,17 @@ def test_past_the_last_attention_a_prefill_carries_only_the_rows_it_samples(tmp_
     engine.step()  # its prefill; it decodes in the next step
     engine.add_request("a", [(7 * k) % 1000 + 3 for k in range(40)], greedy)
     engine.add_request("b", [(11 * k) % 1000 + 3 for k in range(25)], greedy)
-    out = engine.scheduler.schedule
+    schedule = engine.scheduler.schedule
     tokens = []
-    engine.scheduler.schedule = lambda: (lambda o: tokens.append(o.num_batched_tokens) or o)(out())
-    for hook in rows_in.values():
-        hook.clear()
+
+    def counted_schedule():
+        out = schedule()
+        tokens.append(out.num_batched_tokens)
+        return out
+
+    engine.scheduler.schedule = counted_schedule
+    for counts in rows_in.values():
+        counts.clear()
     forward = model.forward
     full = []
 
@@ -142,7 +148,7 @@ def test_past_the_last_attention_a_prefill_carries_only_the_rows_it_samples(tmp_
     engine.step()
     assert tokens == [66] and rows_in == {0: [66], len(layers) - 1: [3]}
     assert len(full) == 1 and torch.equal(logits_seen[-1], compute_logits(full[0]).float())
-    for hook in rows_in.values():
-        hook.clear()
+    for counts in rows_in.values():
+        counts.clear()
     engine.step()  # three decodes
     assert rows_in == {0: [3], len(layers) - 1: [3]}
