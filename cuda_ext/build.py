@@ -54,8 +54,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-CPU_SOURCES = ("bindings.cpp", "cpu/attention.cpp", "cpu/cache.cpp", "cpu/fused.cpp", "cpu/linear.cpp",
-               "cpu/prefill_attention.cpp", "cpu/sampling.cpp")
+CPU_SOURCES = ("bindings.cpp", "cpu/attention.cpp", "cpu/cache.cpp", "cpu/decoder_stack.cpp", "cpu/fused.cpp",
+               "cpu/linear.cpp", "cpu/prefill_attention.cpp", "cpu/sampling.cpp")
 CUDA_SOURCES = ("cuda/attention.cu", "cuda/cache.cu")
 
 CUDA_FLAGS = ("-O3", "-lineinfo", "-DPAGED_SERVE_WITH_CUDA")

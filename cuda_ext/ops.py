@@ -36,6 +36,8 @@ __all__ = [
     "compiled_library",
     "copy_blocks",
     "copy_blocks_table",
+    "decoder_stack",
+    "decoder_stack_available",
     "draw_tokens",
     "draw_tokens_compiled",
     "gather_cached_kv",
@@ -178,6 +180,33 @@ def prefill_attention(out: Tensor, query: Tensor, key_cache: Tensor, value_cache
     before it (its first position); ``block_tables`` ``[chunks, width]`` int32. Matches SDPA
     per chunk (``is_causal`` over the whole context) up to summation order."""
     torch.ops.paged_serve.prefill_attention(out, query, key_cache, value_cache, block_tables, spans, scale)
+
+
+def decoder_stack_available() -> bool:
+    """Whether :func:`decoder_stack` runs here: the compiled CPU ops with their AVX2 + FMA
+    kernels (the panel GEMM and the prefill attention it calls)."""
+    return linear_panels_available() and prefill_attention_available()
+
+
+def decoder_stack(x: Tensor, positions: Tensor, weights: Sequence[Tensor], qkv_biases: Sequence[Tensor],
+                  final_norm: Tensor, cos: Tensor, sin: Tensor, key_caches: Sequence[Tensor],
+                  value_caches: Sequence[Tensor], slot_mapping: Tensor, prefill_tables: Tensor | None,
+                  prefill_spans: Tensor | None, num_prefill_tokens: int, decode_tables: Tensor | None,
+                  decode_lens: Tensor | None, max_decode_len: int, num_heads: int, num_kv_heads: int,
+                  intermediate_size: int, scale: float, eps: float, rows: Tensor | None) -> Tensor:
+    """A Llama-family model's decoder layers and final RMSNorm over one step's tokens, in one
+    call (csrc/cpu/decoder_stack.cpp): the kernels of this module, in the order and on the
+    tensors engine/models/llama.py uses with the fused ops and the panels kernel, so the same
+    floats, without the host work between them. ``x``: the embeddings ``[tokens, hidden]`` fp32
+    (overwritten); ``weights``: per layer its input norm, qkv panels, o panels, post-attention
+    norm, gate/up panels in pairs (:func:`linear_panels_silu_mul`), down panels; ``qkv_biases``:
+    none or one per layer. Attention arguments as :func:`prefill_attention` (the first
+    ``num_prefill_tokens`` rows) and :func:`paged_attention` (the others). Returns the normed
+    hidden states of ``rows`` (int64 token indices; None: every token), ``[rows, hidden]``."""
+    return torch.ops.paged_serve.decoder_stack(
+        x, positions, list(weights), list(qkv_biases), final_norm, cos, sin, list(key_caches), list(value_caches),
+        slot_mapping, prefill_tables, prefill_spans, num_prefill_tokens, decode_tables, decode_lens, max_decode_len,
+        num_heads, num_kv_heads, intermediate_size, scale, eps, rows)
 
 
 def draw_tokens_compiled(logits: Tensor) -> bool:

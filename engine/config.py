@@ -153,7 +153,8 @@ class EngineArgs:
     tokenizer: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA; on a CPU bf16 where native and faster, else float32
     linear_kernel: str = "auto"  # auto: the fastest of torch / oneDNN / panels here (engine/models/linear_kernel.py)
-    fused_ops: bool = True  # CPU: residual+RMSNorm, rotary, SiLU*up as compiled one-pass ops (False: torch's)
+    fused_ops: bool = True  # CPU: residual+RMSNorm, rotary, SiLU*up as compiled one-pass ops, and with the panels
+    # kernel in fp32 the decoder layers as one compiled call per step (False: torch's ops, layer by layer)
     device: str = "auto"
     load_format: str = "auto"
     max_model_len: int | None = None

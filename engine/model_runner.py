@@ -26,6 +26,7 @@ from engine.attention_backend import TorchPagedBackend
 from engine.cache_engine import CacheEngine, num_blocks_from_budget
 from engine.config import CacheConfig, ModelConfig
 from engine.models import linear_kernel
+from engine.models.decoder_stack import use_compiled_stack
 from engine.models.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -137,6 +138,9 @@ class ModelRunner:
         fused = model_config.fused_ops and device.type == "cpu" and ops.backend() == "cpu"
         use_fused_ops(self.model, fused)
         logger.info("elementwise layers (RMSNorm, rotary, SiLU x up): %s", "compiled one-pass ops" if fused else "torch")
+        why_not = use_compiled_stack(self.model, device, self.tp_size, fused)
+        logger.info("decoder layers: %s", "one compiled call per step (ops.decoder_stack)" if why_not is None
+                    else f"layer by layer in Python ({why_not})")
         if linear_kernel.reduced_precision_is_slow(device, model_config.dtype):
             logger.warning(
                 "%s on a CPU without native %s matmuls (AVX512-BF16/FP16, AMX or AVX-NE-CONVERT): every product "

@@ -63,6 +63,13 @@ TORCH_LIBRARY(paged_serve, m) {
   m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor spans, float scale) -> ()");
   m.def("prefill_attention_available() -> bool", &cpu::prefill_attention_available);
+  // A Llama-family model's decoder layers and final norm over one step, in one call
+  // (cpu/decoder_stack.cpp); CPU fp32 with panels-packed weights. Overwrites x (and the caches).
+  m.def("decoder_stack(Tensor(a!) x, Tensor positions, Tensor[] weights, Tensor[] qkv_biases, Tensor final_norm, "
+        "Tensor cos, Tensor sin, Tensor(b!)[] key_caches, Tensor(c!)[] value_caches, Tensor slot_mapping, "
+        "Tensor? prefill_tables, Tensor? prefill_spans, int num_prefill_tokens, Tensor? decode_tables, "
+        "Tensor? decode_lens, int max_decode_len, int num_heads, int num_kv_heads, int intermediate_size, "
+        "float scale, float eps, Tensor? rows) -> Tensor");
   // The CUDA kernels' report of a bad device-resident index since the last call (a
   // cuda::ErrorCode, 0: none), reset; always 0 in a build without CUDA.
   m.def("take_device_error() -> int", &take_device_error_any);
@@ -82,6 +89,7 @@ TORCH_LIBRARY_IMPL(paged_serve, CPU, m) {
   m.impl("linear_panels", &cpu::linear_panels);
   m.impl("linear_panels_silu_mul", &cpu::linear_panels_silu_mul);
   m.impl("prefill_attention", &cpu::prefill_attention);
+  m.impl("decoder_stack", &cpu::decoder_stack);
 }
 
 // The ops only write into tensors they are given, so their shape functions do nothing.
@@ -107,6 +115,13 @@ TORCH_LIBRARY_IMPL(paged_serve, Meta, m) {
   });
   m.impl("prefill_attention", [](at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, const at::Tensor&, double) {});
+  m.impl("decoder_stack", [](at::Tensor& x, const at::Tensor&, at::TensorList, at::TensorList, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, at::TensorList, at::TensorList, const at::Tensor&,
+                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
+                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t, int64_t,
+                             int64_t, int64_t, double, double, const std::optional<at::Tensor>& rows) {
+    return at::empty_symint({rows.has_value() ? rows->sym_size(0) : x.sym_size(0), x.sym_size(1)}, x.options());
+  });
 }
 
 #ifdef PAGED_SERVE_WITH_CUDA

@@ -92,9 +92,15 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The layers below as one compiled call per step, where it applies and gives the same
+        # floats (engine/models/decoder_stack.py sets it; None: layer by layer).
+        self.compiled_stack = None
 
     def forward(self, input_ids, positions, meta, kv_caches, rows=None):
         x, residual = self.embed_tokens(input_ids), None
+        stack = self.compiled_stack
+        if stack is not None and stack.applies(meta, kv_caches):
+            return stack(x, positions, meta, kv_caches, rows)
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             # NOTE: past the last layer's attention only the rows whose hidden states are wanted

@@ -103,6 +103,9 @@ def test_past_the_last_attention_a_prefill_carries_only_the_rows_it_samples(tmp_
     the same floats as a pass that carries every row to the end. A step of decodes keeps all."""
     engine = tiny_engine(tmp_path)
     model = engine.executor.runner.model
+    # NOTE: the layers in Python, whose modules can be counted; the compiled stack makes the same
+    # cut (tests/engine/test_decoder_stack.py compares the two, rows included).
+    model.model.compiled_stack = None
     layers = model.model.layers
     rows_in: dict[int, list[int]] = {0: [], len(layers) - 1: []}
     counting = [True]

@@ -50,4 +50,16 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
                        const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& spans,
                        double scale);
 
+// Every decoder layer of a Llama-family model and its final RMSNorm over one step's tokens, in
+// one call (decoder_stack.cpp); CPU fp32, panels-packed weights. x (the embeddings, [tokens,
+// hidden]) is overwritten; returns the normed hidden states of `rows` (all tokens without).
+at::Tensor decoder_stack(at::Tensor& x, const at::Tensor& positions, at::TensorList weights,
+                         at::TensorList qkv_biases, const at::Tensor& final_norm, const at::Tensor& cos,
+                         const at::Tensor& sin, at::TensorList key_caches, at::TensorList value_caches,
+                         const at::Tensor& slot_mapping, const std::optional<at::Tensor>& prefill_tables,
+                         const std::optional<at::Tensor>& prefill_spans, int64_t num_prefill_tokens,
+                         const std::optional<at::Tensor>& decode_tables, const std::optional<at::Tensor>& decode_lens,
+                         int64_t max_decode_len, int64_t num_heads, int64_t num_kv_heads, int64_t intermediate_size,
+                         double scale, double eps, const std::optional<at::Tensor>& rows);
+
 }  // namespace paged_serve::cpu

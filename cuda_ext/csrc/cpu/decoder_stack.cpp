@@ -1,0 +1,102 @@
+// A Llama-family decoder stack over one step's flattened tokens in one call (CPU, fp32): every
+// layer's residual add + RMSNorm, qkv product (+ bias), rotary, cache write, attention (the
+// step's prompt chunks, then its decodes), o product, residual add + RMSNorm, gate/up product
+// with SiLU * up, down product; then the final RMSNorm.
+//
+// Why: engine/models/llama.py runs the same kernels one Python call at a time, ~20 per layer
+// (module calls, the ops.py wrappers' checks, the dispatcher, views). On a 2-core AVX2 EPYC
+// that host work was ~6 ms of every step, ~10 us a call, whatever the batch: 4% of a 64-row
+// decode step, ~10% of a 16-row one and ~25% of a 1-row one, where the kernels are short.
+//
+// Same floats: the kernels below are the ones the Python layers call (fused.cpp, linear.cpp,
+// cache.cpp, attention.cpp, prefill_attention.cpp), in the same order, on tensors of the same
+// shapes and strides, so each output is bit for bit the Python path's. The caller decides
+// where this applies (engine/models/decoder_stack.py): one rank, the panels kernel, fp32.
+//
+// weights: per layer, in order: input RMSNorm [hidden], qkv panels, o panels, post-attention
+// RMSNorm [hidden], gate/up panels in pairs (linear_panels_silu_mul's layout), down panels.
+
+#include "cpu_ops.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/index_select.h>
+
+#include <cstdint>
+
+namespace paged_serve::cpu {
+namespace {
+
+constexpr int64_t kWeightsPerLayer = 6;
+
+}  // namespace
+
+at::Tensor decoder_stack(at::Tensor& x, const at::Tensor& positions, at::TensorList weights,
+                         at::TensorList qkv_biases, const at::Tensor& final_norm, const at::Tensor& cos,
+                         const at::Tensor& sin, at::TensorList key_caches, at::TensorList value_caches,
+                         const at::Tensor& slot_mapping, const std::optional<at::Tensor>& prefill_tables,
+                         const std::optional<at::Tensor>& prefill_spans, int64_t num_prefill_tokens,
+                         const std::optional<at::Tensor>& decode_tables, const std::optional<at::Tensor>& decode_lens,
+                         int64_t max_decode_len, int64_t num_heads, int64_t num_kv_heads, int64_t intermediate_size,
+                         double scale, double eps, const std::optional<at::Tensor>& rows) {
+  constexpr const char* op = "decoder_stack";
+  const int64_t layers = static_cast<int64_t>(key_caches.size());
+  PS_CHECK(layers > 0 && static_cast<int64_t>(value_caches.size()) == layers &&
+               static_cast<int64_t>(weights.size()) == kWeightsPerLayer * layers,
+           op, ": expected ", kWeightsPerLayer, " weights and a key and a value cache per layer, got ", weights.size(),
+           " weights and ", key_caches.size(), " / ", value_caches.size(), " caches");
+  PS_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == layers, op,
+           ": qkv_biases must be empty or one per layer, got ", qkv_biases.size());
+  PS_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, op,
+           ": x must be a contiguous float32 CPU [tokens, hidden] tensor, got ", x.sizes(), " ", x.scalar_type());
+  PS_CHECK(cos.dim() == 2, op, ": cos must be [max_positions, head_size], got ", cos.sizes());
+  const int64_t T = x.size(0), hidden = x.size(1), d = cos.size(1), P = num_prefill_tokens;
+  const int64_t q_size = num_heads * d, kv_size = num_kv_heads * d;
+  PS_CHECK(P >= 0 && P <= T, op, ": num_prefill_tokens ", P, " outside [0, ", T, "]");
+  PS_CHECK(P == 0 || (prefill_tables.has_value() && prefill_spans.has_value()), op,
+           ": prompt tokens need prefill_tables and prefill_spans");
+  PS_CHECK(P == T || (decode_tables.has_value() && decode_lens.has_value()), op,
+           ": decode tokens need decode_tables and decode_lens");
+  if (T == 0) return at::empty({rows.has_value() ? rows->numel() : 0, hidden}, x.options());
+
+  // NOTE: the first layer's input norm has no residual to add: the embeddings are the residual.
+  at::Tensor residual = x;
+  at::Tensor h = at::empty_like(x);
+  rms_norm(h, x, weights[0], eps);
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + kWeightsPerLayer * l;
+    if (l > 0) fused_add_rms_norm(h, residual, w[0], eps);
+    at::Tensor qkv = linear_panels(h, w[1], q_size + 2 * kv_size);
+    if (!qkv_biases.empty()) qkv.add_(qkv_biases[l]);
+    // q, k and v stay strided views of the product, as in LlamaAttention.forward.
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, d});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, d});
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, d});
+    rotary_embedding(positions, q, k, cos, sin);
+    at::Tensor key_cache = key_caches[l], value_cache = value_caches[l];
+    reshape_and_cache(k, v, key_cache, value_cache, slot_mapping);
+    at::Tensor attn = at::empty({T, num_heads, d}, x.options());
+    if (P > 0) {
+      at::Tensor out = attn.narrow(0, 0, P);
+      prefill_attention(out, q.narrow(0, 0, P), key_cache, value_cache, *prefill_tables, *prefill_spans, scale);
+    }
+    if (P < T) {
+      at::Tensor out = attn.narrow(0, P, T - P);
+      paged_attention(out, q.narrow(0, P, T - P), key_cache, value_cache, *decode_tables, *decode_lens, scale,
+                      max_decode_len);
+    }
+    at::Tensor a = attn.view({T, q_size});
+    if (l == layers - 1 && rows.has_value()) {
+      // Past the last attention, only the wanted rows (as LlamaModel.forward's `rows`).
+      a = a.index_select(0, *rows);
+      residual = residual.index_select(0, *rows);
+    }
+    h = linear_panels(a, w[2], hidden);
+    fused_add_rms_norm(h, residual, w[3], eps);
+    h = linear_panels(linear_panels_silu_mul(h, w[4], intermediate_size), w[5], hidden);
+  }
+  fused_add_rms_norm(h, residual, final_norm, eps);
+  return h;
+}
+
+}  // namespace paged_serve::cpu
