@@ -246,3 +246,24 @@ def test_load_tokenizer_with_a_template_file(tokenizer, tmp_path):
     tok = load_tokenizer(tokenizer.name_or_path, chat_template=str(path))
     assert apply_chat_template(tok, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]) == "a|b|"
     assert tokenizer.chat_template != tok.chat_template  # the shared tokenizer is untouched
+
+
+def test_the_rust_decoder_is_used_only_where_it_is_decode_itself(tokenizer):
+    """The detokenizer skips transformers' decode wrapper for its own fast class (the same
+    string, ~4x cheaper); a tokenizer that changes decode(), or cleans up spaces, keeps it."""
+    d = IncrementalDetokenizer(tokenizer, [])
+    assert d._backend is tokenizer._tokenizer
+
+    class Shouting(type(tokenizer)):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return super().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    loud = copy.copy(tokenizer)
+    loud.__class__ = Shouting
+    ids = tokenizer.encode(" hello world", add_special_tokens=False)
+    d = IncrementalDetokenizer(loud, [])
+    assert d._backend is None
+    assert "".join(d.step(t) for t in ids) + d.flush() == " HELLO WORLD"
+    tidy = copy.copy(tokenizer)
+    tidy.clean_up_tokenization_spaces = True
+    assert IncrementalDetokenizer(tidy, [])._backend is None
