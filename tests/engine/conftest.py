@@ -38,7 +38,7 @@ def hf_cases(tokenizer):
 
 @pytest.fixture(scope="session")
 def hf_reference(hf_model, hf_cases):
-    """Per case of CASES: HF greedy tokens and, per position, its top-2 (logprob, token id).
+    """Per case of CASES: HF greedy tokens and, per position, its top-k (logprob, token id), best first.
     Computed once per session: a test that needs fewer new tokens of one of these prompts takes
     a prefix (greedy decoding's first k tokens do not depend on how many follow)."""
     from tests.engine.hf_reference import hf_greedy

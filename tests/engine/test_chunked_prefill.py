@@ -46,8 +46,8 @@ def reference(hf_reference):
     for n, new, off in CASES:
         k = _case(n, off)
         assert new <= ALL_CASES[k][1], "the session's reference is shorter than this case"
-        tokens, top2 = hf_reference[k]
-        out.append((tokens[:new], top2[:new]))
+        tokens, top = hf_reference[k]
+        out.append((tokens[:new], top[:new]))
     return out
 
 
@@ -80,9 +80,9 @@ def test_batched_staggered_arrival_equals_hf(make_llm, cases, reference, block_s
     for k, (ids, new) in enumerate(cases):
         pending.setdefault(3 * (k // 2), []).append((f"case-{k}", ids, greedy(new)))
     done = step_all(engine, pending)
-    for k, ((ids, _), (ref, top2)) in enumerate(zip(cases, reference)):
+    for k, ((ids, _), (ref, top)) in enumerate(zip(cases, reference)):
         out = done[f"case-{k}"]
-        assert_matches(out.outputs[0].token_ids, ref, top2, f"prompt {k} ({len(ids)} tokens), block {block_size}")
+        assert_matches(out.outputs[0].token_ids, ref, top, f"prompt {k} ({len(ids)} tokens), block {block_size}")
         m = out.metrics
         assert m.first_scheduled_time <= m.first_token_time and m.time_to_first_token > 0
 
@@ -137,8 +137,8 @@ def test_preemption_during_a_partial_prefill(make_llm, hf_model, tokenizer, mode
     assert preempted_at == [96 if mode == "swap" else 0]
     assert engine.scheduler.num_preemptions[mode] >= 1
     for rid, ids, new in (("old", old, 20), ("long", long, 8)):
-        ref, top2 = hf_greedy(hf_model, ids, new)
-        assert_matches(done[rid].outputs[0].token_ids, ref, top2, f"{rid}, {mode}")
+        ref, top = hf_greedy(hf_model, ids, new)
+        assert_matches(done[rid].outputs[0].token_ids, ref, top, f"{rid}, {mode}")
 
 
 def test_prefix_caching_serves_only_computed_chunks(make_llm, hf_model, tokenizer):

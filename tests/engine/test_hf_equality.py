@@ -1,8 +1,8 @@
 """Greedy output equals HF transformers `generate(do_sample=False)` token for token (fp32, CPU):
 each prompt alone, all prompts batched with staggered arrival, with block sizes 1, 16 and 32.
 
-A divergence is accepted only where the reference itself had a numerical near-tie: its two top
-log-probabilities at that position within 1e-4, and our token being the reference's runner-up.
+A divergence is accepted only where the reference itself had a numerical near-tie: our token's
+reference log-probability at that position within 1e-4 of the reference's best.
 The bf16 engine (`dtype="auto"` on a CPU with native bf16) follows the same reference up to
 bf16's precision.
 """
@@ -27,16 +27,21 @@ BATCHED = [(1, "torch", False), pytest.param(16, "auto", True, marks=SLOW), (32,
            (16, "panels", True)]
 
 
-def assert_matches(ours: list[int], ref_tokens: list[int], ref_top2, label: str, near_tie: float = NEAR_TIE) -> None:
+def assert_matches(ours: list[int], ref_tokens: list[int], ref_top, label: str, near_tie: float = NEAR_TIE) -> None:
+    """`ours` equals `ref_tokens`, or first differs at a position where our token is among the
+    reference's top choices there (`ref_top[j]`: (logprob, id) pairs, best first) and its
+    logprob is within `near_tie` of the best one: a numerical near-tie, past which the
+    continuations legitimately differ."""
     for j, (a, b) in enumerate(zip(ours, ref_tokens)):
         if a == b:
             continue
-        (lp1, id1), (lp2, id2) = ref_top2[j]
-        assert lp1 - lp2 < near_tie and a == id2, (
-            f"{label}: token {j} is {a}, reference {b}; reference top-2 logprobs "
-            f"{lp1:.6f} ({id1}) / {lp2:.6f} ({id2}) are no near-tie"
+        best = ref_top[j][0][0]
+        ours_lp = next((lp for lp, tid in ref_top[j] if tid == a), None)
+        assert ours_lp is not None and best - ours_lp < near_tie, (
+            f"{label}: token {j} is {a}, reference {b}; reference top logprobs "
+            + ", ".join(f"{lp:.6f} ({tid})" for lp, tid in ref_top[j]) + " are no near-tie"
         )
-        return  # past a near-tie the continuations legitimately differ
+        return
     assert ours == ref_tokens, f"{label}: lengths differ: {len(ours)} vs {len(ref_tokens)}"
 
 
@@ -47,9 +52,9 @@ def greedy(max_tokens: int) -> SamplingParams:
 @pytest.mark.parametrize("block_size", ALONE)
 def test_each_prompt_alone(make_llm, hf_cases, hf_reference, block_size):
     llm = make_llm(block_size=block_size)
-    for k, ((ids, new), (ref, top2)) in enumerate(zip(hf_cases, hf_reference)):
+    for k, ((ids, new), (ref, top)) in enumerate(zip(hf_cases, hf_reference)):
         out = llm.generate([ids], greedy(new))[0]
-        assert_matches(out.outputs[0].token_ids, ref, top2, f"prompt {k} ({len(ids)} tokens) alone")
+        assert_matches(out.outputs[0].token_ids, ref, top, f"prompt {k} ({len(ids)} tokens) alone")
 
 
 @pytest.mark.parametrize(("block_size", "kernel", "fused"), BATCHED)
@@ -79,9 +84,9 @@ def test_batched_staggered_arrival(make_llm, hf_cases, hf_reference, block_size,
                 done[out.request_id] = out
         steps += 1
         engine.block_manager.check_integrity()
-    for k, ((ids, _), (ref, top2)) in enumerate(zip(hf_cases, hf_reference)):
+    for k, ((ids, _), (ref, top)) in enumerate(zip(hf_cases, hf_reference)):
         ours = done[f"case-{k}"].outputs[0].token_ids
-        assert_matches(ours, ref, top2,
+        assert_matches(ours, ref, top,
                        f"prompt {k} ({len(ids)} tokens) batched, block {block_size}, {kernel}, fused {fused}")
 
 
@@ -92,17 +97,17 @@ def test_chat_template_answers_paris(make_llm):
 
 
 # bf16 (what `dtype="auto"` takes on a CPU that multiplies it natively): logits carry ~3
-# significant digits, so a divergence from fp32 HF is accepted where the reference's top two
-# were this close, and our token is its runner-up. (Measured on an AVX512-BF16 EPYC: CASES'
-# divergences came at gaps of 0.01-0.09.)
+# significant digits, so a divergence from fp32 HF is accepted where our token's reference
+# logprob was this close to the best. (Measured on AVX512-BF16 EPYCs: CASES' divergences came
+# at gaps of 0.01-0.09, once at the reference's third choice.)
 BF16_NEAR_TIE = 0.25
 
 
 def test_bfloat16_follows_fp32_hf_up_to_its_precision(make_llm, hf_cases, hf_reference):
     llm = make_llm(block_size=16, dtype="bfloat16")
     assert llm.engine.config.model.dtype == torch.bfloat16
-    for k, ((ids, new), (ref, top2)) in enumerate(zip(hf_cases, hf_reference)):
+    for k, ((ids, new), (ref, top)) in enumerate(zip(hf_cases, hf_reference)):
         out = llm.generate([ids], greedy(new))[0]
-        assert_matches(out.outputs[0].token_ids, ref, top2, f"prompt {k} in bf16", near_tie=BF16_NEAR_TIE)
+        assert_matches(out.outputs[0].token_ids, ref, top, f"prompt {k} in bf16", near_tie=BF16_NEAR_TIE)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy(24))[0]
     assert "Paris" in out.outputs[0].text
