@@ -58,6 +58,29 @@ def test_fused_add_rms_norm_writes_the_sum_and_the_norm_in_place(dtype, rows):
     assert_close(got, want, dtype)
 
 
+def test_bf16_sums_round_to_nearest_even_as_torch_does():
+    """The residual sum is the kernels' bf16 narrowing seen bare (cuda_ext/csrc/cpu/dtype_cvt.h):
+    ties to even both ways, overflow to inf, infinities and NaN carried, as torch rounds."""
+    one, half_ulp, ulp = 1.0, 2.0**-8, 2.0**-7  # bf16 keeps 7 fraction bits
+    big = torch.finfo(torch.bfloat16).max
+    pairs = [(one, half_ulp), (one + ulp, half_ulp), (-one, -half_ulp), (-(one + ulp), -half_ulp),
+             (one, half_ulp * 1.5), (one, -half_ulp / 2), (big, big), (-big, -big), (float("inf"), 1.0),
+             (float("-inf"), -big), (float("inf"), float("-inf")), (float("nan"), 1.0), (0.0, -0.0),
+             (-0.0, -0.0), (1e-40, 1e-40), (3.0, -3.0)]
+    gen = torch.Generator().manual_seed(0)
+    a = torch.tensor([p[0] for p in pairs] * 4, dtype=torch.float32)
+    b = torch.tensor([p[1] for p in pairs] * 4, dtype=torch.float32)
+    # NOTE: x and residual are bf16, so a half-ulp addend must itself be a bf16 value
+    rand = torch.randn(2, 960 - a.numel(), generator=gen) * torch.logspace(-30, 30, 960 - a.numel())
+    x = torch.cat([a, rand[0]]).to(torch.bfloat16)[None].repeat(3, 1)
+    residual = torch.cat([b, rand[1]]).to(torch.bfloat16)[None].repeat(3, 1)
+    want = (x.float() + residual.float()).to(torch.bfloat16)
+    ops.rms_norm(x.clone(), torch.ones(960, dtype=torch.bfloat16), 1e-6, residual)
+    torch.testing.assert_close(residual, want, rtol=0, atol=0, equal_nan=True)
+    bits = residual.view(torch.int16)[0, :4].tolist()
+    assert bits == [0x3F80, 0x3F82, -0x4080, -0x407E]  # 1.0 and 1 + 2 ulp: the even neighbours
+
+
 def test_rms_norm_extremes():
     # all zeros (eps alone keeps it finite), huge and tiny rows, a NaN confined to its row
     x = torch.zeros(4, 64)

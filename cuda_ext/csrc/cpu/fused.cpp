@@ -15,6 +15,7 @@
 // rounding of the sums; float32 ones to a few ulp (summation order, FMA contraction).
 
 #include "cpu_ops.h"
+#include "dtype_cvt.h"
 #include "exp_poly.h"
 
 #include <ATen/Dispatch.h>
@@ -34,16 +35,6 @@ namespace {
 // Rows per parallel task: a decode batch (a few rows of a few hundred elements) stays on one
 // thread, where a fork would cost more than the work.
 constexpr int64_t kGrainRows = 32;
-
-// The value a torch op on T tensors would hold: rounded to T, read back as float.
-template <typename T>
-inline float as_dtype(float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return static_cast<float>(static_cast<T>(v));
-  }
-}
 
 bool is_model_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
@@ -78,24 +69,24 @@ void norm_row(T* out, const T* x, T* residual, const T* w, int64_t dim, float ep
   if (residual != nullptr) {
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < dim; ++i) {
-      const T s = static_cast<T>(static_cast<float>(x[i]) + static_cast<float>(residual[i]));
+      const T s = from_float<T>(to_float(x[i]) + to_float(residual[i]));
       residual[i] = s;
-      const float f = static_cast<float>(s);
+      const float f = to_float(s);
       ss += f * f;
     }
     x = residual;
   } else {
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < dim; ++i) {
-      const float f = static_cast<float>(x[i]);
+      const float f = to_float(x[i]);
       ss += f * f;
     }
   }
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < dim; ++i) {
-    const float normed = as_dtype<T>(static_cast<float>(x[i]) * r);
-    out[i] = static_cast<T>(static_cast<float>(w[i]) * normed);
+    const float normed = as_dtype<T>(to_float(x[i]) * r);
+    out[i] = from_float<T>(to_float(w[i]) * normed);
   }
 }
 
@@ -116,12 +107,12 @@ template <typename T, typename C>
 inline void rotate_head(T* x, const C* cos, const C* sin, int64_t half) {
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
-    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
-    const float c1 = as_dtype<T>(static_cast<float>(cos[i])), s1 = as_dtype<T>(static_cast<float>(sin[i]));
-    const float c2 = as_dtype<T>(static_cast<float>(cos[i + half]));
-    const float s2 = as_dtype<T>(static_cast<float>(sin[i + half]));
-    x[i] = static_cast<T>(as_dtype<T>(x1 * c1) - as_dtype<T>(x2 * s1));
-    x[i + half] = static_cast<T>(as_dtype<T>(x2 * c2) + as_dtype<T>(x1 * s2));
+    const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+    const float c1 = as_dtype<T>(to_float(cos[i])), s1 = as_dtype<T>(to_float(sin[i]));
+    const float c2 = as_dtype<T>(to_float(cos[i + half]));
+    const float s2 = as_dtype<T>(to_float(sin[i + half]));
+    x[i] = from_float<T>(as_dtype<T>(x1 * c1) - as_dtype<T>(x2 * s1));
+    x[i + half] = from_float<T>(as_dtype<T>(x2 * c2) + as_dtype<T>(x1 * s2));
   }
 }
 
@@ -155,9 +146,9 @@ void silu_mul_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride, int
       T* dst = out + r * out_stride;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) {
-        const float g = static_cast<float>(gate[i]);
+        const float g = to_float(gate[i]);
         const float silu = as_dtype<T>(g / (1.0f + exp_clamped(-g)));
-        dst[i] = static_cast<T>(silu * static_cast<float>(up[i]));
+        dst[i] = from_float<T>(silu * to_float(up[i]));
       }
     }
   });
