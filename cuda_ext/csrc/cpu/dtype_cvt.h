@@ -1,10 +1,12 @@
 // Element <-> float conversions for the CPU kernels' loops, in a form the compiler vectorises.
 //
-// c10's BFloat16 conversions are right but opaque to GCC's vectoriser (the NaN test and the
-// struct's constructor kept `#pragma omp simd` loops scalar): fused.cpp's bf16 ops ran 5-10x
-// slower than their fp32 twins. Here bf16 is bit arithmetic on its 16 bits, with the same
-// results as c10: widening is a shift, narrowing rounds to nearest even and maps any NaN to
-// 0x7FC0 (c10::detail::round_to_nearest_even). float16 and float32 keep static_cast.
+// c10's BFloat16 conversions are right but opaque to GCC's vectoriser: its NaN test kept
+// `#pragma omp simd` loops scalar, and a store of the BFloat16 struct became one vpextrw per
+// element even in a vectorised loop. fused.cpp's bf16 ops ran 5-10x slower than their fp32
+// twins. So a loop works on `stored_t<T>`, bf16 as its bare 16 bits (uint16_t), through
+// `stored(ptr)`; widening is a shift, narrowing rounds to nearest even and maps any NaN to
+// 0x7FC0, the same results as c10::detail::round_to_nearest_even. float16 and float32 keep
+// their own types and static_cast.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -15,11 +17,28 @@
 
 namespace paged_serve::cpu {
 
-// v as float.
 template <typename T>
-inline float to_float(T v) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+constexpr bool kIsBf16 = std::is_same_v<T, c10::BFloat16>;
+
+// How a loop holds a T: bf16 as uint16_t, other types as themselves.
+template <typename T>
+using stored_t = std::conditional_t<kIsBf16<T>, uint16_t, T>;
+
+template <typename T>
+inline stored_t<T>* stored(T* p) {
+  return reinterpret_cast<stored_t<T>*>(p);
+}
+
+template <typename T>
+inline const stored_t<T>* stored(const T* p) {
+  return reinterpret_cast<const stored_t<T>*>(p);
+}
+
+// A stored T as float.
+template <typename T>
+inline float to_float(stored_t<T> v) {
+  if constexpr (kIsBf16<T>) {
+    const uint32_t bits = static_cast<uint32_t>(v) << 16;
     float f;
     std::memcpy(&f, &bits, sizeof f);
     return f;
@@ -28,15 +47,15 @@ inline float to_float(T v) {
   }
 }
 
-// f rounded to T (to nearest even, as a torch op on T tensors stores it).
+// f rounded to T (to nearest even, as a torch op on T tensors stores it), as stored.
 template <typename T>
-inline T from_float(float f) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+inline stored_t<T> from_float(float f) {
+  if constexpr (kIsBf16<T>) {
     uint32_t u;
     std::memcpy(&u, &f, sizeof u);
     const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-    return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+    return static_cast<uint16_t>(nan ? 0x7FC0u : rounded);
   } else {
     return static_cast<T>(f);
   }

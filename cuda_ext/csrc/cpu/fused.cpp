@@ -64,29 +64,33 @@ void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& othe
 
 // One row: sum = x (+ residual, stored back), out = weight * (sum * rsqrt(mean(sum^2) + eps)).
 template <typename T>
-void norm_row(T* out, const T* x, T* residual, const T* w, int64_t dim, float eps) {
+void norm_row(T* out_row, const T* x_row, T* residual_row, const T* w_row, int64_t dim, float eps) {
+  auto* out = stored(out_row);
+  const auto* x = stored(x_row);
+  auto* residual = residual_row != nullptr ? stored(residual_row) : nullptr;
+  const auto* w = stored(w_row);
   float ss = 0.f;
   if (residual != nullptr) {
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < dim; ++i) {
-      const T s = from_float<T>(to_float(x[i]) + to_float(residual[i]));
+      const auto s = from_float<T>(to_float<T>(x[i]) + to_float<T>(residual[i]));
       residual[i] = s;
-      const float f = to_float(s);
+      const float f = to_float<T>(s);
       ss += f * f;
     }
     x = residual;
   } else {
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < dim; ++i) {
-      const float f = to_float(x[i]);
+      const float f = to_float<T>(x[i]);
       ss += f * f;
     }
   }
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < dim; ++i) {
-    const float normed = as_dtype<T>(to_float(x[i]) * r);
-    out[i] = from_float<T>(to_float(w[i]) * normed);
+    const float normed = as_dtype<T>(to_float<T>(x[i]) * r);
+    out[i] = from_float<T>(to_float<T>(w[i]) * normed);
   }
 }
 
@@ -104,13 +108,16 @@ void norm_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride, T* resi
 // One head in place: x[i] <- x[i] cos[i] - x[i+h] sin[i], x[i+h] <- x[i+h] cos[i+h] + x[i] sin[i+h].
 // C: the tables' type (float32, or T itself when the model was cast with its buffers).
 template <typename T, typename C>
-inline void rotate_head(T* x, const C* cos, const C* sin, int64_t half) {
+inline void rotate_head(T* head, const C* cos_row, const C* sin_row, int64_t half) {
+  auto* x = stored(head);
+  const auto* cos = stored(cos_row);
+  const auto* sin = stored(sin_row);
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
-    const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
-    const float c1 = as_dtype<T>(to_float(cos[i])), s1 = as_dtype<T>(to_float(sin[i]));
-    const float c2 = as_dtype<T>(to_float(cos[i + half]));
-    const float s2 = as_dtype<T>(to_float(sin[i + half]));
+    const float x1 = to_float<T>(x[i]), x2 = to_float<T>(x[i + half]);
+    const float c1 = as_dtype<T>(to_float<C>(cos[i])), s1 = as_dtype<T>(to_float<C>(sin[i]));
+    const float c2 = as_dtype<T>(to_float<C>(cos[i + half]));
+    const float s2 = as_dtype<T>(to_float<C>(sin[i + half]));
     x[i] = from_float<T>(as_dtype<T>(x1 * c1) - as_dtype<T>(x2 * s1));
     x[i + half] = from_float<T>(as_dtype<T>(x2 * c2) + as_dtype<T>(x1 * s2));
   }
@@ -141,14 +148,14 @@ template <typename T>
 void silu_mul_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t rows, int64_t d) {
   at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* gate = x + r * x_stride;
-      const T* up = gate + d;
-      T* dst = out + r * out_stride;
+      const auto* gate = stored(x + r * x_stride);
+      const auto* up = gate + d;
+      auto* dst = stored(out + r * out_stride);
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) {
-        const float g = to_float(gate[i]);
+        const float g = to_float<T>(gate[i]);
         const float silu = as_dtype<T>(g / (1.0f + exp_clamped(-g)));
-        dst[i] = from_float<T>(silu * to_float(up[i]));
+        dst[i] = from_float<T>(silu * to_float<T>(up[i]));
       }
     }
   });
