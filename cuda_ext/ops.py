@@ -166,8 +166,8 @@ def paged_attention(
 
 @functools.cache
 def prefill_attention_available() -> bool:
-    """Whether the CPU fp32 prefill attention kernel (csrc/cpu/prefill_attention.cpp: AVX2 + FMA
-    builds) is loaded."""
+    """Whether the CPU prefill attention kernel (csrc/cpu/prefill_attention.cpp: fp32 and bf16,
+    AVX2 + FMA builds) is loaded."""
     return backend() in ("cpu", "cuda") and bool(torch.ops.paged_serve.prefill_attention_available())
 
 
@@ -175,10 +175,11 @@ def prefill_attention(out: Tensor, query: Tensor, key_cache: Tensor, value_cache
                       spans: Tensor, scale: float) -> None:
     """Causal attention of prompt chunks, all in one call, every key and value read through the
     chunk's block table (its cached prefix and its own tokens, already written by
-    :func:`reshape_and_cache`). Writes ``out`` ``[tokens, heads, head]`` (fp32, CPU, like
-    ``query``). ``spans`` ``[chunks, 3]`` int32: each chunk's first row, tokens, and tokens cached
-    before it (its first position); ``block_tables`` ``[chunks, width]`` int32. Matches SDPA
-    per chunk (``is_causal`` over the whole context) up to summation order."""
+    :func:`reshape_and_cache`). Writes ``out`` ``[tokens, heads, head]`` (CPU, fp32 or bf16: the
+    dtype of ``query`` and the caches; bf16 is computed in fp32). ``spans`` ``[chunks, 3]``
+    int32: each chunk's first row, tokens, and tokens cached before it (its first position);
+    ``block_tables`` ``[chunks, width]`` int32. Matches SDPA per chunk (``is_causal`` over the
+    whole context) up to summation order."""
     torch.ops.paged_serve.prefill_attention(out, query, key_cache, value_cache, block_tables, spans, scale)
 
 

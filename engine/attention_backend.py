@@ -3,7 +3,7 @@ slots (`build_metadata`), and how one layer attends with it (`forward`). The mod
 `PagedAttention` layers call the backend that built the step's metadata, so a backend (a GPU
 varlen prefill kernel, say) replaces the per-sequence SDPA loop without touching the model runner
 or the model. `TorchPagedBackend` is the portable one: for prefills the compiled one-call
-`prefill_attention` op on a CPU (fp32), SDPA per sequence elsewhere; the compiled
+`prefill_attention` op on a CPU (fp32, bf16), SDPA per sequence elsewhere; the compiled
 `paged_attention` op for decodes; every cache access through `cuda_ext.ops`.
 """
 
@@ -171,9 +171,9 @@ def _tensor(values: array, dtype: torch.dtype, device: torch.device) -> torch.Te
 
 
 def _prefill_kernel_applies(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether ops.prefill_attention runs these tensors: fp32 on a CPU, a head size that is a
-    multiple of 16, the kernel built (AVX2 + FMA)."""
-    return (q.dtype == torch.float32 and key_cache.dtype == torch.float32 and q.device.type == "cpu"
+    """Whether ops.prefill_attention runs these tensors: fp32 or bf16 (one dtype) on a CPU, a head
+    size that is a multiple of 16, the kernel built (AVX2 + FMA)."""
+    return (q.dtype in (torch.float32, torch.bfloat16) and key_cache.dtype == q.dtype and q.device.type == "cpu"
             and q.shape[-1] % 16 == 0 and ops.prefill_attention_available())
 
 

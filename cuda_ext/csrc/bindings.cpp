@@ -59,7 +59,7 @@ TORCH_LIBRARY(paged_serve, m) {
   m.def("linear_panels_silu_mul(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("linear_panels_available() -> bool", &cpu::linear_panels_available);
   // Causal prefill attention of all a step's prompt chunks over the paged caches
-  // (cpu/prefill_attention.cpp); CPU fp32 only.
+  // (cpu/prefill_attention.cpp); CPU fp32 or bf16.
   m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor spans, float scale) -> ()");
   m.def("prefill_attention_available() -> bool", &cpu::prefill_attention_available);

@@ -118,5 +118,5 @@ def test_prefill_kernel_matches_the_sdpa_loop(monkeypatch, block_size):
         monkeypatch.setattr(attention_backend, "_prefill_kernel_applies", lambda q, kc: False)
         want = meta.backend.forward(L, q, k, v, meta, [c.clone() for c in caches])
         monkeypatch.undo()
-        tol = 1e-5 if dtype == torch.float32 else 0
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the kernel rounds once, SDPA per op
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -1,8 +1,8 @@
 """The CPU prefill attention kernel (cuda_ext/csrc/cpu/prefill_attention.cpp) against causal
 attention in float64 over each chunk's whole context: head sizes 32/64/128, GQA groups, block
 sizes 1-32, chunks of 1-60 tokens after 0-70 cached ones (the task's 24-token tiles and 6-row
-tiles cut at every remainder), strided queries; a NaN in one chunk's cache stays in that chunk;
-bad arguments are refused; opcheck."""
+tiles cut at every remainder), strided queries; bf16 tensors computed in fp32 and rounded once;
+a NaN in one chunk's cache stays in that chunk; bad arguments are refused; opcheck."""
 
 from __future__ import annotations
 
@@ -78,6 +78,24 @@ def test_matches_causal_attention(chunks, heads, kv_heads, head_size, block_size
     torch.testing.assert_close(out, reference(q, kc, vc, tables, spans, scale), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunks", CHUNKS[1:])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (4, 1, 128)])
+def test_bf16_is_the_fp32_result_rounded(chunks, heads, kv_heads, head_size):
+    """bf16 queries and caches: the fp32 kernel's result on the same (bf16-representable)
+    values, rounded once to bf16; the output's other rows untouched."""
+    q, kc, vc, tables, spans = make_case(chunks, heads, kv_heads, head_size, 16, seed=len(chunks))
+    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    scale = head_size**-0.5
+    wide = torch.empty(q.shape)
+    ops.prefill_attention(wide, q.float(), kc.float(), vc.float(), tables, spans, scale)
+    out = torch.full((q.shape[0] + 2, *q.shape[1:]), 7.0, dtype=torch.bfloat16)
+    ops.prefill_attention(out[:-2], q, kc, vc, tables, spans, scale)
+    assert torch.equal(out[:-2], wide.bfloat16())
+    assert (out[-2:] == 7).all()
+    torch.testing.assert_close(out[:-2].float(), reference(q.float(), kc, vc, tables, spans, scale),
+                               rtol=1e-2, atol=1e-2)
+
+
 def test_a_nan_stays_in_its_chunk():
     q, kc, vc, tables, spans = make_case([(10, 5), (12, 0)], 4, 2, 32, 16, seed=7)
     kc[tables[0, 0], 0, 2] = float("nan")  # a cached key of chunk 0 (KV head 0)
@@ -95,8 +113,10 @@ def test_bad_arguments_are_refused():
     call = lambda **kw: ops.prefill_attention(  # noqa: E731
         kw.get("out", out), kw.get("q", q), kw.get("kc", kc), kw.get("vc", vc), kw.get("tables", tables),
         kw.get("spans", spans), 0.1)
-    with pytest.raises(RuntimeError, match="query must be a float32 CPU"):
-        call(q=q.bfloat16())
+    with pytest.raises(RuntimeError, match="query must be a float32 or bfloat16 CPU"):
+        call(q=q.half())
+    with pytest.raises(RuntimeError, match="caches must be .* query's dtype"):
+        call(q=q.bfloat16(), out=out.bfloat16())
     with pytest.raises(RuntimeError, match="head_size 32 must match the caches' \\(16\\)"):
         call(kc=kc[..., :16].contiguous(), vc=vc[..., :16].contiguous())
     with pytest.raises(RuntimeError, match="does not fit the 6 query rows"):

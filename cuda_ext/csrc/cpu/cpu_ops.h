@@ -43,7 +43,7 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t 
 at::Tensor linear_panels_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
 
 // Causal attention of a step's prompt chunks over the paged caches (prefill_attention.cpp); CPU
-// fp32 only, AVX2 + FMA builds only. spans [chunks, 3] int32: first query row, tokens, tokens
+// fp32 or bf16, AVX2 + FMA builds only. spans [chunks, 3] int32: first query row, tokens, tokens
 // cached before the chunk; block_tables [chunks, width] int32.
 bool prefill_attention_available();
 void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
