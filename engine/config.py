@@ -154,7 +154,7 @@ class EngineArgs:
     dtype: str = "auto"  # auto: bfloat16 on CUDA; on a CPU bf16 where native and faster, else float32
     linear_kernel: str = "auto"  # auto: the fastest of torch / oneDNN / panels here (engine/models/linear_kernel.py)
     fused_ops: bool = True  # CPU: residual+RMSNorm, rotary, SiLU*up as compiled one-pass ops, and with the panels
-    # kernel in fp32 the decoder layers as one compiled call per step (False: torch's ops, layer by layer)
+    # (fp32) or oneDNN (fp32, bf16) kernel the decoder layers as one compiled call per step (False: torch's ops)
     device: str = "auto"
     load_format: str = "auto"
     max_model_len: int | None = None

@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "or auto: whichever is fastest on this CPU (timed at start-up, logged)")
     eng.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
                      help="on a CPU, residual add + RMSNorm, rotary embedding and SiLU x up as compiled one-pass "
-                          "ops, and with the panels linear kernel in fp32 every decoder layer in one compiled call "
+                          "ops, and with the panels (fp32) or oneDNN (fp32, bf16) linear kernel every decoder layer in one compiled call "
                           "per step (on by default; --no-fused-ops: torch's elementwise ops, layer by layer)")
     eng.add_argument("--device", default="auto")
     eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"])

@@ -64,7 +64,8 @@ TORCH_LIBRARY(paged_serve, m) {
         "Tensor block_tables, Tensor spans, float scale) -> ()");
   m.def("prefill_attention_available() -> bool", &cpu::prefill_attention_available);
   // A Llama-family model's decoder layers and final norm over one step, in one call
-  // (cpu/decoder_stack.cpp); CPU fp32 with panels-packed weights. Overwrites x (and the caches).
+  // (cpu/decoder_stack.cpp); CPU, fp32 with panels-packed weights or fp32 / bf16 with oneDNN's.
+  // Overwrites x (and the caches).
   m.def("decoder_stack(Tensor(a!) x, Tensor positions, Tensor[] weights, Tensor[] qkv_biases, Tensor final_norm, "
         "Tensor cos, Tensor sin, Tensor(b!)[] key_caches, Tensor(c!)[] value_caches, Tensor slot_mapping, "
         "Tensor? prefill_tables, Tensor? prefill_spans, int num_prefill_tokens, Tensor? decode_tables, "
@@ -89,6 +90,11 @@ TORCH_LIBRARY_IMPL(paged_serve, CPU, m) {
   m.impl("linear_panels", &cpu::linear_panels);
   m.impl("linear_panels_silu_mul", &cpu::linear_panels_silu_mul);
   m.impl("prefill_attention", &cpu::prefill_attention);
+  m.impl("decoder_stack", &cpu::decoder_stack);
+}
+
+// NOTE: oneDNN's packed weights are MkldnnCPU tensors, and a call holding one dispatches there.
+TORCH_LIBRARY_IMPL(paged_serve, MkldnnCPU, m) {
   m.impl("decoder_stack", &cpu::decoder_stack);
 }
 

@@ -8,11 +8,13 @@ the same order on tensors of the same shapes in C++ (cuda_ext/csrc/cpu/decoder_s
 `CompiledDecoderStack` holds the weights it needs, gathered once after the linear layers are
 packed, and hands it each step.
 
-It applies (`why_not` says why not otherwise) to a model on a CPU in fp32 on one rank (no
-all-reduce between the products), with the compiled ops' AVX2 + FMA kernels, the fused
-elementwise ops on, every linear layer on the panels kernel (gate/up packed in pairs), biases on
-q/k/v at most, and a head size the prefill kernel takes; per step, to metadata the CPU attention
-backend built (`applies`). Elsewhere, and with ``--no-fused-ops``, the Python layers run.
+It applies (`why_not` says why not otherwise) to a model on a CPU on one rank (no all-reduce
+between the products), with the compiled ops' AVX2 + FMA kernels, the fused elementwise ops on,
+every linear layer on one kernel: the panels kernel in fp32 (gate/up packed in pairs), or
+oneDNN's packed weights in fp32 or bf16 (what `--dtype auto` takes where the CPU multiplies bf16
+natively); biases on q/k/v at most, and a head size the prefill kernel takes; per step, to
+metadata the CPU attention backend built (`applies`). Elsewhere, and with ``--no-fused-ops``,
+the layers run in Python.
 """
 
 from __future__ import annotations
@@ -28,10 +30,25 @@ from engine.models.layers import FUSED_MODULES
 from engine.models.linear_kernel import PanelWeight, linear_layers
 from engine.models.llama import LlamaModel
 
+# The dtypes the stack's kernels take (the prefill attention kernel's).
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _product_weight(layer: nn.Module) -> Tensor:
+    """A linear layer's weight as ops.decoder_stack takes it: its panels, or oneDNN's tensor."""
+    packed = layer.packed
+    return packed.panels if type(packed) is PanelWeight else packed
+
+
+def _on_onednn(layer: nn.Module) -> bool:
+    packed = layer.packed
+    return isinstance(packed, Tensor) and packed.is_mkldnn
+
+
 @dataclass(frozen=True)
 class CompiledDecoderStack:
-    # per layer, in ops.decoder_stack's order: input norm, qkv panels, o panels, post-attention
-    # norm, gate/up panels (in pairs), down panels
+    # per layer, in ops.decoder_stack's order: input norm, qkv, o, post-attention norm, gate/up,
+    # down; the products' weights all panels (gate/up in pairs) or all oneDNN's packed tensors
     weights: tuple[Tensor, ...]
     qkv_biases: tuple[Tensor, ...]  # one per layer, or none
     final_norm: Tensor
@@ -49,9 +66,9 @@ class CompiledDecoderStack:
         weights, biases = [], []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            weights += [layer.input_layernorm.weight, attn.qkv_proj.packed.panels, attn.o_proj.packed.panels,
-                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.packed.panels,
-                        mlp.down_proj.packed.panels]
+            weights += [layer.input_layernorm.weight, _product_weight(attn.qkv_proj), _product_weight(attn.o_proj),
+                        layer.post_attention_layernorm.weight, _product_weight(mlp.gate_up_proj),
+                        _product_weight(mlp.down_proj)]
             if attn.qkv_proj.bias is not None:
                 biases.append(attn.qkv_proj.bias)
         first = model.layers[0]
@@ -62,9 +79,9 @@ class CompiledDecoderStack:
 
     def applies(self, meta: AttentionMetadata, kv_caches) -> bool:
         """Whether this step's metadata is the CPU backend's (its prompt chunks for the one-call
-        prefill kernel) and its caches are fp32."""
+        prefill kernel) and its caches are of a dtype the kernels take."""
         return (meta.num_prefill_tokens == 0 or meta.prefill_spans is not None) \
-            and kv_caches[0][0].dtype == torch.float32
+            and kv_caches[0][0].dtype in _DTYPES
 
     def __call__(self, x: Tensor, positions: Tensor, meta: AttentionMetadata, kv_caches, rows: Tensor | None) -> Tensor:
         """`LlamaModel.forward` after the embedding: the normed hidden states of `rows` (None:
@@ -83,20 +100,23 @@ def why_not(model: nn.Module, device: torch.device, tp_size: int) -> str | None:
     decoder = getattr(model, "model", None)
     if not isinstance(decoder, LlamaModel):
         return "not a Llama-family decoder"
-    if device.type != "cpu" or decoder.norm.weight.dtype != torch.float32:
-        return "it runs float32 on a CPU"
+    dtype = decoder.norm.weight.dtype
+    if device.type != "cpu" or dtype not in _DTYPES:
+        return "it runs float32 or bfloat16 on a CPU"
     if tp_size != 1:
         return "tensor parallelism all-reduces between the layers' products"
     if ops.backend() != "cpu" or not ops.decoder_stack_available():
         return "the compiled CPU ops with AVX2 + FMA kernels are not loaded"
     if not all(m.fused for m in decoder.modules() if isinstance(m, FUSED_MODULES)):
         return "the fused elementwise ops are off"
-    if not all(type(m.packed) is PanelWeight for m in linear_layers(decoder)):
-        return "the linear layers are not on the panels kernel"
+    layers = linear_layers(decoder)
+    panels = all(type(m.packed) is PanelWeight for m in layers)
+    if not panels and not all(_on_onednn(m) for m in layers):
+        return "the linear layers are neither all on the panels kernel nor all on oneDNN's packed weights"
     first = decoder.layers[0].self_attn
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not mlp.gate_up_proj.packed.silu_pairs:
+        if panels and not mlp.gate_up_proj.packed.silu_pairs:
             return "gate/up is not packed in pairs"
         if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
             return "a layer has biases besides q/k/v's"

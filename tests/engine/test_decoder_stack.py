@@ -17,7 +17,7 @@ import torch
 from cuda_ext import ops
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
-from engine.models import decoder_stack
+from engine.models import decoder_stack, linear_kernel
 from engine.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,9 +70,19 @@ def run_both_ways(engine: LLMEngine) -> list[tuple]:
     return seen
 
 
+def onednn_case(dtype: str):
+    """(dtype, "onednn") as a parameter, skipped where oneDNN does not pack that dtype here."""
+    here = linear_kernel.onednn_supported(torch.device("cpu"), getattr(torch, dtype))
+    return pytest.param(dtype, "onednn", marks=pytest.mark.skipif(not here, reason=f"oneDNN packs no {dtype} here"))
+
+
+@pytest.mark.parametrize(("dtype", "kernel"), [("float32", "panels"), onednn_case("bfloat16"),
+                                               onednn_case("float32")])
 @pytest.mark.parametrize(("seed", "bias"), [(0, False), (1, False), (2, True)])
-def test_the_stack_gives_the_python_layers_floats(tmp_path, seed, bias):
-    engine = tiny_engine(tmp_path, bias)
+def test_the_stack_gives_the_python_layers_floats(tmp_path, seed, bias, dtype, kernel):
+    engine = tiny_engine(tmp_path, bias, dtype=dtype, linear_kernel=kernel)
+    runner = engine.executor.runner
+    assert runner.linear_kernel == kernel and runner.model.model.norm.weight.dtype == getattr(torch, dtype)
     seen = run_both_ways(engine)
     rng = random.Random(seed)
     shared = [rng.randrange(3, 1000) for _ in range(40)]  # a prefix some prompts share
@@ -96,7 +106,8 @@ def test_the_stack_gives_the_python_layers_floats(tmp_path, seed, bias):
 
 def test_where_it_does_not_apply_the_layers_run_in_python(tmp_path, caplog):
     caplog.set_level("INFO", logger="engine.model_runner")
-    for kwargs, why in (({"fused_ops": False}, "turned off"), ({"linear_kernel": "torch"}, "panels kernel")):
+    for kwargs, why in (({"fused_ops": False}, "turned off"), ({"linear_kernel": "torch"}, "panels kernel"),
+                        ({"dtype": "float16", "linear_kernel": "torch"}, "float32 or bfloat16")):
         engine = tiny_engine(tmp_path, **kwargs)
         assert engine.executor.runner.model.model.compiled_stack is None
         assert any("decoder layers: layer by layer" in r.message and why in r.message for r in caplog.records), why

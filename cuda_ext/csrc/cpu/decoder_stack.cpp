@@ -1,4 +1,4 @@
-// A Llama-family decoder stack over one step's flattened tokens in one call (CPU, fp32): every
+// A Llama-family decoder stack over one step's flattened tokens in one call (CPU, fp32 or bf16): every
 // layer's residual add + RMSNorm, qkv product (+ bias), rotary, cache write, attention (the
 // step's prompt chunks, then its decodes), o product, residual add + RMSNorm, gate/up product
 // with SiLU * up, down product; then the final RMSNorm.
@@ -11,23 +11,61 @@
 // Same floats: the kernels below are the ones the Python layers call (fused.cpp, linear.cpp,
 // cache.cpp, attention.cpp, prefill_attention.cpp), in the same order, on tensors of the same
 // shapes and strides, so each output is bit for bit the Python path's. The caller decides
-// where this applies (engine/models/decoder_stack.py): one rank, the panels kernel, fp32.
+// where this applies (engine/models/decoder_stack.py): one rank; fp32 on the panels kernel, or
+// any dtype on oneDNN's packed weights (bf16 where the CPU multiplies it natively).
 //
-// weights: per layer, in order: input RMSNorm [hidden], qkv panels, o panels, post-attention
-// RMSNorm [hidden], gate/up panels in pairs (linear_panels_silu_mul's layout), down panels.
+// weights: per layer, in order: input RMSNorm [hidden], qkv, o, post-attention RMSNorm [hidden],
+// gate/up, down. The products' weights are all panels (gate/up in pairs, linear_panels_silu_mul's
+// layout) or all oneDNN's packed tensors (mkldnn::_linear_pointwise's, gate/up one product
+// followed by silu_and_mul, as the Python layers do).
 
 #include "cpu_ops.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/index_select.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace paged_serve::cpu {
 namespace {
 
 constexpr int64_t kWeightsPerLayer = 6;
+
+// x W^T (+ bias) with W packed by oneDNN: the op engine/models/layers.py's `linear` calls, with
+// the same arguments (the bias fused into the product).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                               c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                               std::optional<c10::string_view>)>();
+  return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), std::string_view(""));
+}
+
+// One layer's products, on whichever kernel its weights were packed for.
+struct Products {
+  bool onednn;
+
+  at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t out_features,
+                    const std::optional<at::Tensor>& bias = std::nullopt) const {
+    if (onednn) return onednn_linear(x, w, bias);
+    at::Tensor y = linear_panels(x, w, out_features);
+    if (bias.has_value()) y.add_(*bias);
+    return y;
+  }
+
+  // silu(x W_gate^T) * (x W_up^T)
+  at::Tensor silu_mul(const at::Tensor& x, const at::Tensor& w, int64_t intermediate) const {
+    if (!onednn) return linear_panels_silu_mul(x, w, intermediate);
+    const at::Tensor gate_up = onednn_linear(x, w, std::nullopt);
+    at::Tensor out = at::empty({x.size(0), intermediate}, x.options());
+    silu_and_mul(out, gate_up);
+    return out;
+  }
+};
 
 }  // namespace
 
@@ -47,8 +85,17 @@ at::Tensor decoder_stack(at::Tensor& x, const at::Tensor& positions, at::TensorL
            " weights and ", key_caches.size(), " / ", value_caches.size(), " caches");
   PS_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == layers, op,
            ": qkv_biases must be empty or one per layer, got ", qkv_biases.size());
-  PS_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, op,
-           ": x must be a contiguous float32 CPU [tokens, hidden] tensor, got ", x.sizes(), " ", x.scalar_type());
+  PS_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), op,
+           ": x must be a contiguous CPU [tokens, hidden] tensor, got ", x.sizes());
+  const Products products{weights[1].is_mkldnn()};
+  for (int64_t i = 0; i < layers; ++i) {
+    for (int64_t j : {1, 2, 4, 5}) {
+      PS_CHECK(weights[kWeightsPerLayer * i + j].is_mkldnn() == products.onednn, op, ": layer ", i, " weight ", j,
+               " is packed for another kernel than layer 0's qkv (all panels or all oneDNN)");
+    }
+  }
+  PS_CHECK(products.onednn || x.scalar_type() == at::kFloat, op, ": the panels kernel takes float32 x, got ",
+           x.scalar_type());
   PS_CHECK(cos.dim() == 2, op, ": cos must be [max_positions, head_size], got ", cos.sizes());
   const int64_t T = x.size(0), hidden = x.size(1), d = cos.size(1), P = num_prefill_tokens;
   const int64_t q_size = num_heads * d, kv_size = num_kv_heads * d;
@@ -66,8 +113,8 @@ at::Tensor decoder_stack(at::Tensor& x, const at::Tensor& positions, at::TensorL
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + kWeightsPerLayer * l;
     if (l > 0) fused_add_rms_norm(h, residual, w[0], eps);
-    at::Tensor qkv = linear_panels(h, w[1], q_size + 2 * kv_size);
-    if (!qkv_biases.empty()) qkv.add_(qkv_biases[l]);
+    at::Tensor qkv = products.linear(h, w[1], q_size + 2 * kv_size,
+                                     qkv_biases.empty() ? std::nullopt : std::optional<at::Tensor>(qkv_biases[l]));
     // q, k and v stay strided views of the product, as in LlamaAttention.forward.
     at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, d});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, d});
@@ -91,9 +138,9 @@ at::Tensor decoder_stack(at::Tensor& x, const at::Tensor& positions, at::TensorL
       a = a.index_select(0, *rows);
       residual = residual.index_select(0, *rows);
     }
-    h = linear_panels(a, w[2], hidden);
+    h = products.linear(a, w[2], hidden);
     fused_add_rms_norm(h, residual, w[3], eps);
-    h = linear_panels(linear_panels_silu_mul(h, w[4], intermediate_size), w[5], hidden);
+    h = products.linear(products.silu_mul(h, w[4], intermediate_size), w[5], hidden);
   }
   fused_add_rms_norm(h, residual, final_norm, eps);
   return h;
