@@ -67,7 +67,7 @@ template <typename T>
 void norm_row(T* out_row, const T* x_row, T* residual_row, const T* w_row, int64_t dim, float eps) {
   auto* out = stored(out_row);
   const auto* x = stored(x_row);
-  auto* residual = residual_row != nullptr ? stored(residual_row) : nullptr;
+  auto* residual = stored(residual_row);  // null stays null
   const auto* w = stored(w_row);
   float ss = 0.f;
   if (residual != nullptr) {

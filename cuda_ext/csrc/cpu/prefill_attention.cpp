@@ -23,7 +23,6 @@
 #include "exp_poly.h"
 #include "panel_tile.h"
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -193,12 +192,15 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
   const bool wide = dtype == at::kFloat;
   const at::Tensor q = wide ? query : query.to(at::kFloat);
   at::Tensor y = wide ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
-  AT_DISPATCH_SWITCH(dtype, "prefill_attention_cpu",
-    AT_DISPATCH_CASE(at::kFloat, [&] { run_tasks<scalar_t>(q, y, key_cache, value_cache, tables, sp, width, kv_heads,
-                                                           heads / kv_heads, D, block_size, scale, tasks); })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] { run_tasks<scalar_t>(q, y, key_cache, value_cache, tables, sp, width,
-                                                              kv_heads, heads / kv_heads, D, block_size, scale,
-                                                              tasks); }));
+  const auto run = [&](auto element) {
+    run_tasks<decltype(element)>(q, y, key_cache, value_cache, tables, sp, width, kv_heads, heads / kv_heads, D,
+                                 block_size, scale, tasks);
+  };
+  if (wide) {
+    run(float{});
+  } else {
+    run(c10::BFloat16{});
+  }
   if (!wide) out.copy_(y);
 #endif
 }
