@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from cuda_ext import ops, reference
+from cuda_ext import build, ops, reference
 from tests.kernels.kernel_cases import (
     DEVICES, TOLERANCES, fill_caches, poisoned_caches, random_block_tables, require_compiled,
 )
 
+REPO = Path(__file__).resolve().parents[2]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_SIZES = [64, 128]
 BLOCK_SIZES = [1, 8, 16, 32]
@@ -106,13 +112,14 @@ def test_empty_context_gives_zeros(device):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_size", [32, 64, 128])
-@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("block_size", [1, 6, 16])
 @pytest.mark.parametrize("heads", [(8, 4), (32, 1), (80, 1)], ids=lambda h: f"h{h[0]}kv{h[1]}")
 def test_cpu_tiles_of_tokens(dtype, head_size, block_size, heads):
-    """The CPU kernel's AVX2 path (rows of up to 512 bytes) reads 8 tokens at a time (4 for
-    fp32 head 128) and runs one prefetch stream across a thread's tasks: contexts around both
-    tiles' ends, many sequences (a thread's next task), head 32 (not built for CUDA), and
-    groups of 32 and 80 query heads on one KV head."""
+    """The CPU kernel's vector paths (AVX2 or AVX-512, rows of up to 512 bytes) read 8 tokens
+    at a time (4 for fp32 head 128 on AVX2; bf16 pairs of them on AVX512_BF16) and run one
+    prefetch stream across a thread's tasks: contexts around both tiles' ends, many sequences
+    (a thread's next task), head 32 (not built for CUDA), groups of 32 and 80 query heads on one
+    KV head, and a block size that is not a power of two (rows found by division)."""
     num_heads, num_kv_heads = heads
     lens = [1, 7, 8, 9, 15, 17, 100, 3, 64, 31, 4, 5, 12]
     gen = torch.Generator().manual_seed(head_size * 1000 + block_size + num_heads)
@@ -124,6 +131,32 @@ def test_cpu_tiles_of_tokens(dtype, head_size, block_size, heads):
     out, expected = run_both(query, key_cache, value_cache, tables, lens, head_size**-0.5)
     assert not out.isnan().any(), "read a slot outside some sequence's context"
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+AVX2_RUN = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+from cuda_ext import build, ops
+from tests.kernels import test_paged_attention_kernel as t
+assert ops.backend() == "cpu"
+for dtype in t.DTYPES:
+    for head_size in (32, 64, 128):
+        for block_size in (1, 6, 16):
+            t.test_cpu_tiles_of_tokens(dtype, head_size, block_size, (8, 4))
+print(build.load("cpu"))
+"""
+
+
+@pytest.mark.skipif(not {"avx2", "fma", "f16c", "avx512f"} <= (build._cpuinfo_flags() or set()),
+                    reason="the native build already is the AVX2 path (or this CPU cannot run it)")
+def test_avx2_path_where_the_native_build_takes_avx512():
+    """On an AVX-512 CPU the native build runs attention_avx512.h, so the AVX2 path (what an
+    AVX2-only CPU runs) is tested in a build for x86-64-v3 (its own cache entry, kept between runs)."""
+    env = {**os.environ, build.CPU_ARCH_ENV: "x86-64-v3", "PAGED_SERVE_OPS": "compiled"}
+    result = subprocess.run([sys.executable, "-c", AVX2_RUN.format(repo=str(REPO))], env=env, capture_output=True,
+                            text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1].endswith(build.source_hash("cpu", "x86-64-v3"))
 
 
 def test_head_size_outside_instantiations_runs_on_cpu():

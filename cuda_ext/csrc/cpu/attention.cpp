@@ -5,13 +5,14 @@
 // group, so every K/V row is read from memory once and used `group` times. Tasks run in
 // parallel with at::parallel_for; the loops over head_size are written so that the compiler
 // vectorises them (fixed trip count for the instantiated head sizes, `omp simd` reductions).
-// On AVX2 CPUs rows of up to 512 bytes take the tiled path of attention_avx2.h instead; the
-// pieces both use are in attention_parts.h.
+// On AVX2 CPUs rows of up to 512 bytes take the tiled path of attention_avx2.h instead, and on
+// AVX-512 CPUs that of attention_avx512.h; the pieces all use are in attention_parts.h.
 
 #include "cpu_ops.h"
 
 #include "../checks.h"
 #include "attention_avx2.h"
+#include "attention_avx512.h"
 #include "attention_parts.h"
 
 #include <ATen/Dispatch.h>
@@ -108,23 +109,35 @@ void paged_attention_impl(const AttentionArgs& a, int num_seqs, T* out, const T*
   const int64_t num_tasks = static_cast<int64_t>(num_seqs) * a.num_kv_heads;
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
 #if PAGED_SERVE_ATTENTION_AVX2
-    if constexpr (kAvx2Rows<T, HEAD_SIZE>) {
+    // The vector paths: a thread's tasks in order, each handed the next one's rows (the
+    // prefetch stream runs on into it); `ahead` tiles of the first task's K prefetched first.
+    auto run_tiled = [&](int tile, int ahead, auto attend) {
       auto rows_of = [&](int64_t task) {
         const int seq = static_cast<int>(task / a.num_kv_heads);
         return TaskRows<T>{&a, key_cache, value_cache, block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq,
                            seq, static_cast<int>(task % a.num_kv_heads), context_lens[seq]};
       };
-      // the stream's first tiles; every later task's come with the task before it
       TaskRows<T> here = rows_of(begin);
-      constexpr int kTile = kTileFor<T, HEAD_SIZE>;
-      for (int j = 0; j < std::min(kAheadTiles<T, HEAD_SIZE>, here.tiles(kTile)); ++j)
-        here.prefetch_tile(key_cache, kTile, j, HEAD_SIZE);
+      for (int j = 0; j < std::min(ahead, here.tiles(tile)); ++j) here.prefetch_tile(key_cache, tile, j, HEAD_SIZE);
       for (int64_t task = begin; task < end; ++task) {
         const bool last = task + 1 == end;
         const TaskRows<T> next = last ? here : rows_of(task + 1);
-        attend_one_avx2<T, HEAD_SIZE>(a, here, last ? nullptr : &next, out, query);
+        attend(here, last ? nullptr : &next);
         here = next;
       }
+    };
+#if PAGED_SERVE_ATTENTION_AVX512
+    if constexpr (kAvx512Rows<T, HEAD_SIZE>) {
+      run_tiled(kTile512, kAhead512<T, HEAD_SIZE>, [&](const TaskRows<T>& here, const TaskRows<T>* next) {
+        attend_one_avx512<T, HEAD_SIZE>(a, here, next, out, query);
+      });
+      return;
+    }
+#endif
+    if constexpr (kAvx2Rows<T, HEAD_SIZE>) {
+      run_tiled(kTileFor<T, HEAD_SIZE>, kAheadTiles<T, HEAD_SIZE>, [&](const TaskRows<T>& here, const TaskRows<T>* next) {
+        attend_one_avx2<T, HEAD_SIZE>(a, here, next, out, query);
+      });
       return;
     }
 #endif
@@ -149,11 +162,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = context_lens.contiguous();
+  const int block_size = static_cast<int>(key_cache.size(2));
+  const int block_shift = (block_size & (block_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(block_size)) : -1;
   const AttentionArgs args{
       static_cast<int>(query.size(1)), num_kv_heads, static_cast<int>(query.size(2)),
       static_cast<int>(key_cache.size(2)), static_cast<int>(tables.size(1)),
       query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-      key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), static_cast<float>(scale)};
+      key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), static_cast<float>(scale), block_shift};
 
   const int* table_data = tables.const_data_ptr<int>();
   const int* len_data = lens.const_data_ptr<int>();

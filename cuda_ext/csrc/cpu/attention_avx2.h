@@ -60,6 +60,9 @@ constexpr int kTileFor = D * static_cast<int>(sizeof(T)) > 256 ? 4 : 8;
 // Scratch reused by every task a thread runs, instead of vectors allocated per task.
 struct Scratch {
   std::vector<float> q, logits, inv_sum;
+  // the AVX-512 path's: a tile's rows as fp32 (low-precision caches), the task's row offsets
+  std::vector<float> rows;
+  std::vector<int64_t> offsets;
 };
 inline Scratch& scratch() {
   thread_local Scratch s;
@@ -78,10 +81,12 @@ struct TaskRows {
   const T* value_cache;
   const int* block_table;
   int seq, kv_head, context_len;
-  const T* row(const T* cache, int t) const {
-    return cache + block_table[t / a->block_size] * a->cache_stride_block + kv_head * a->cache_stride_head +
-           (t % a->block_size) * a->cache_stride_token;
+  // Where token t's row is in either cache (K and V share their layout).
+  int64_t offset(int t) const {
+    return block_table[block_of(*a, t)] * a->cache_stride_block + kv_head * a->cache_stride_head +
+           offset_in_block(*a, t) * a->cache_stride_token;
   }
+  const T* row(const T* cache, int t) const { return cache + offset(t); }
   // Tiles per pass (`per`) when a tile holds one token from each of `tile` lanes: lane i is
   // tokens [i * per, (i + 1) * per), and tile j holds lane_token(per, j, i) of every lane i.
   int tiles(int tile) const { return (context_len + tile - 1) / tile; }

@@ -29,7 +29,17 @@ struct AttentionArgs {
   int64_t q_stride_seq, q_stride_head, out_stride_seq, out_stride_head;
   int64_t cache_stride_block, cache_stride_head, cache_stride_token;
   float scale;
+  int block_shift;  // log2(block_size) when it is a power of two, else -1 (see block_of)
 };
+
+// (block, offset) of token t: a shift and a mask for power-of-two block sizes (the ones used),
+// a division otherwise. NOTE: a 32-bit division is ~10+ cycles of latency on x86; the vector
+// paths find 4 rows per token (two passes, each with its prefetch), at short rows a visible part
+// of a row's time.
+inline int block_of(const AttentionArgs& a, int t) { return a.block_shift >= 0 ? t >> a.block_shift : t / a.block_size; }
+inline int offset_in_block(const AttentionArgs& a, int t) {
+  return a.block_shift >= 0 ? t & (a.block_size - 1) : t % a.block_size;
+}
 
 // Copy `n` elements of a K/V row to fp32 (a no-op view for fp32 caches).
 template <typename T, int N>
