@@ -60,9 +60,11 @@ constexpr int kTileFor = D * static_cast<int>(sizeof(T)) > 256 ? 4 : 8;
 // Scratch reused by every task a thread runs, instead of vectors allocated per task.
 struct Scratch {
   std::vector<float> q, logits, inv_sum;
-  // the AVX-512 path's: a tile's rows as fp32 (low-precision caches), the task's row offsets
+  // the AVX-512 path's: a tile's rows as fp32 (low-precision caches), the task's row offsets,
+  // the softmax's weights as bf16 (bf16 caches)
   std::vector<float> rows;
   std::vector<int64_t> offsets;
+  std::vector<uint16_t> weights;
 };
 inline Scratch& scratch() {
   thread_local Scratch s;

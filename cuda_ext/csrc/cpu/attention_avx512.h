@@ -43,12 +43,23 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// The 8 horizontal sums of s[0..7], as one 8-float vector (lane i: the sum of s[i]'s lanes).
+// The 8 horizontal sums of s[0..7], as one 8-float vector (lane i: the sum of s[i]'s lanes):
+// a tree of 128-bit-chunk shuffles (24 instructions; halving each vector to 256 bits first and
+// summing with hadds took ~37, and at head 32 in bf16 the sums were ~15% of the kernel's time).
 inline __m256 hsum8x16(const __m512* s) {
-  __m256 halves[8];
-  for (int i = 0; i < 8; ++i)
-    halves[i] = _mm256_add_ps(_mm512_castps512_ps256(s[i]), _mm512_extractf32x8_ps(s[i], 1));
-  return hsum8(halves);
+  // pairs: chunks (0 + 2, 1 + 3) of s[a], then of s[b]
+  auto pair = [](__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  };
+  const __m512 p01 = pair(s[0], s[1]), p23 = pair(s[2], s[3]), p45 = pair(s[4], s[5]), p67 = pair(s[6], s[7]);
+  // quads: chunk k holds 4 partial sums of s[k] (q0) or s[4 + k] (q1)
+  const __m512 q0 = _mm512_add_ps(_mm512_shuffle_f32x4(p01, p23, 0x88), _mm512_shuffle_f32x4(p01, p23, 0xDD));
+  const __m512 q1 = _mm512_add_ps(_mm512_shuffle_f32x4(p45, p67, 0x88), _mm512_shuffle_f32x4(p45, p67, 0xDD));
+  // chunk k: [s[k] (0 + 2), s[k] (1 + 3), s[4 + k] (0 + 2), s[4 + k] (1 + 3)], then the two added
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(q0, q1, 0x88), _mm512_shuffle_ps(q0, q1, 0xDD));
+  const __m512 t = _mm512_add_ps(r, _mm512_permute_ps(r, 0xB1));  // lanes 4k, 4k + 2: s[k], s[4 + k]
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, t));
 }
 
 // Which rows take this path: whole 16-float vectors of up to 512 bytes.
@@ -65,21 +76,20 @@ constexpr bool kBf16Dot =
 #endif
 
 // Tokens per tile (one from each of kTile512 lanes, as in the AVX2 path) and how many tiles
-// ahead the software prefetches run. NOTE: measured on the 2-core Zen 4 EPYC (in-process A/B,
-// interleaved, all six shapes of bench_paged_attention.py --bandwidth): rows of up to 256 bytes
-// 4 tiles ahead (2 left the rows' loads waiting: the V pass's first load took 12% of the samples
-// at bf16 head 32); 512-byte rows (fp32 head 128) 2 ahead, 7-8% faster than none, which the
-// AVX2 path measured best (its tile's compute is twice as long).
+// ahead the software prefetches run. NOTE: measured on the 2-core Zen 4 EPYC with the caches
+// read from DRAM (in-process A/B, interleaved, the six shapes of bench_paged_attention.py
+// --bandwidth): 8 tiles ahead for rows of up to 256 bytes and 4 for 512-byte rows (fp32 head
+// 128) took 4-18% less time than 4 and 2; 12-24 and 6-8 measured the same as 8 and 4.
 constexpr int kTile512 = 8;
 template <typename T, int D>
-constexpr int kAhead512 = D * static_cast<int>(sizeof(T)) > 256 ? 2 : 4;
+constexpr int kAhead512 = D * static_cast<int>(sizeof(T)) > 256 ? 4 : 8;
 
 // The softmax's weights in place over one query head's logits in tile order (entry j * tile + i:
 // lane i's token j, `per` tokens per lane; entries past the context repeat the last row's logit,
 // so they never exceed the maximum), returning 1 / their sum. Entries past the context become
-// 0. With `to_bf16` every weight is rounded to bf16 (nearest even) first and the sum is of the
-// rounded weights, so the weights pass 2 uses sum to one.
-inline float softmax_weights(float* l, int per, int tile, int context_len, bool to_bf16) {
+// 0. With `bf16` given, every weight is rounded to bf16 (nearest even), its bits are written
+// there, and the sum is of the rounded weights, so the weights pass 2 uses sum to one.
+inline float softmax_weights(float* l, int per, int tile, int context_len, uint16_t* bf16) {
   const int n = per * tile;
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int t = 0;
@@ -91,12 +101,13 @@ inline float softmax_weights(float* l, int per, int tile, int context_len, bool 
   for (int i = 0; i < tile; ++i)  // lane i holds tokens [i * per, (i + 1) * per)
     for (int j = std::max(0, context_len - i * per); j < per; ++j) l[j * tile + i] = 0.f;
   float sum = 0.f;
-  if (to_bf16) {
+  if (bf16 != nullptr) {
 #pragma omp simd reduction(+ : sum)
     for (int k = 0; k < n; ++k) {
       uint32_t bits;
       std::memcpy(&bits, &l[k], 4);
       bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;  // finite and >= 0: no NaN case
+      bf16[k] = static_cast<uint16_t>(bits >> 16);
       std::memcpy(&l[k], &bits, 4);
       sum += l[k];
     }
@@ -136,6 +147,8 @@ void attend_one_avx512(const AttentionArgs& a, const TaskRows<T>& task, const Ta
   s.inv_sum.resize(group);
   s.rows.resize(static_cast<size_t>(kTile) * D);
   s.offsets.resize(padded);
+  if constexpr (kBf16Dot<T, D>) s.weights.resize(static_cast<size_t>(group) * padded);
+  uint16_t* weights = s.weights.data();  // the bf16 path's softmax weights as bf16
   float* q = s.q.data();
   float* logits = s.logits.data();
   float* inv_sum = s.inv_sum.data();
@@ -221,7 +234,7 @@ void attend_one_avx512(const AttentionArgs& a, const TaskRows<T>& task, const Ta
 
   // Softmax per query head, in fp32; entries past the context weigh 0.
   for (int g = 0; g < group; ++g)
-    inv_sum[g] = softmax_weights(logits + g * padded, per, kTile, context_len, kBf16Dot<T, D>);
+    inv_sum[g] = softmax_weights(logits + g * padded, per, kTile, context_len, kBf16Dot<T, D> ? weights + g * padded : nullptr);
 
   // Pass 2: out_g = sum_t p[g, t] v_t / sum. The output accumulates in q's scratch (q is no
   // longer needed).
@@ -232,12 +245,11 @@ void attend_one_avx512(const AttentionArgs& a, const TaskRows<T>& task, const Ta
     // Two tokens per vdpbf16ps: rows i and i + 1 interleaved (unpacklo/hi of their bf16: within
     // each 128-bit lane, element pairs (v_i[d], v_i+1[d])), against (p_i, p_i+1) in every pair.
     // The accumulators' lanes then hold the output in unpack order (see unpacked_index), put
-    // back in place once at the end. The tile's interleaved rows are built once into scratch,
-    // then read by every query head.
+    // back in place once at the end. The tile's interleaved rows are built once, then read by
+    // every query head.
     static_assert(kTile % 2 == 0, "tokens go in pairs");
     constexpr int C = D / 32;  // 32-element chunks per row
-    auto* pairs = reinterpret_cast<uint16_t*>(converted);  // kTile / 2 * C * 2 vectors of 32: D * kTile bf16
-    // NOTE: the scratch is not 64-byte aligned: unaligned loads and stores throughout
+    __m512i pairs[kTile * C];  // pair i / 2's chunk c: entries (i / 2 * C + c) * 2 (lo), + 1 (hi)
     for (int t0 = 0; t0 < padded; t0 += kTile) {
       prefetch_tile(per + t0 / kTile + ahead);
       for (int i = 0; i < kTile; i += 2) {
@@ -245,22 +257,21 @@ void attend_one_avx512(const AttentionArgs& a, const TaskRows<T>& task, const Ta
         const T* r1 = task.value_cache + offsets[t0 + i + 1];
         for (int c = 0; c < C; ++c) {
           const __m512i x0 = _mm512_loadu_si512(r0 + 32 * c), x1 = _mm512_loadu_si512(r1 + 32 * c);
-          _mm512_storeu_si512(pairs + 32 * ((i / 2 * C + c) * 2), _mm512_unpacklo_epi16(x0, x1));
-          _mm512_storeu_si512(pairs + 32 * ((i / 2 * C + c) * 2 + 1), _mm512_unpackhi_epi16(x0, x1));
+          pairs[(i / 2 * C + c) * 2] = _mm512_unpacklo_epi16(x0, x1);
+          pairs[(i / 2 * C + c) * 2 + 1] = _mm512_unpackhi_epi16(x0, x1);
         }
       }
       for (int g = 0; g < group; ++g) {
-        const float* p = logits + g * padded + t0;
+        const uint16_t* w = weights + g * padded + t0;
         float* dst = acc_all + g * D;
         __m512 acc[2 * C];
         for (int v = 0; v < 2 * C; ++v) acc[v] = _mm512_loadu_ps(dst + 16 * v);
         for (int i = 0; i < kTile; i += 2) {
-          // p_i in the low 16 bits (the pair's first element), p_i+1 in the high: both already bf16 values
-          uint32_t b0, b1;
-          std::memcpy(&b0, p + i, 4);
-          std::memcpy(&b1, p + i + 1, 4);
-          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>((b0 >> 16) | (b1 & 0xFFFF0000u)));
-          for (int v = 0; v < 2 * C; ++v) acc[v] = _mm512_dpbf16_ps(acc[v], (__m512bh)_mm512_loadu_si512(pairs + 32 * (i / 2 * 2 * C + v)), pp);
+          // (p_i, p_i+1) as one 32-bit pair: p_i in the low half, as the rows' pairs hold v_i
+          uint32_t pair;
+          std::memcpy(&pair, w + i, 4);
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          for (int v = 0; v < 2 * C; ++v) acc[v] = _mm512_dpbf16_ps(acc[v], (__m512bh)pairs[i / 2 * 2 * C + v], pp);
         }
         for (int v = 0; v < 2 * C; ++v) _mm512_storeu_ps(dst + 16 * v, acc[v]);
       }
