@@ -39,20 +39,12 @@ template <typename T, int HEAD_SIZE>
 void attend_one(const AttentionArgs& a, int seq, int kv_head, T* out, const T* query,
                 const T* key_cache, const T* value_cache, const int* block_table, int context_len) {
   const int D = HEAD_SIZE > 0 ? HEAD_SIZE : a.head_size;
-  const int group = a.num_heads / a.num_kv_heads;
-  const int first_head = kv_head * group;
-  auto out_row = [&](int g) { return out + seq * a.out_stride_seq + (first_head + g) * a.out_stride_head; };
-
-  if (context_len == 0) {  // nothing to attend to: define the output as zeros
-    for (int g = 0; g < group; ++g) std::fill(out_row(g), out_row(g) + D, T(0.f));
-    return;
-  }
+  const HeadGroup<T> heads(a, seq, kv_head, D);
+  const int group = heads.group;
+  if (context_len == 0) return heads.zero_outputs(out);
 
   std::vector<float> q(group * D), acc(group * D, 0.f), logits(group * context_len), buf(D);
-  for (int g = 0; g < group; ++g) {
-    const T* src = query + seq * a.q_stride_seq + (first_head + g) * a.q_stride_head;
-    for (int i = 0; i < D; ++i) q[g * D + i] = static_cast<float>(src[i]) * a.scale;
-  }
+  heads.scaled_queries(query, q.data());
 
   // Pass 1: logits[g, t] = q_g . k_t, walking the block table.
   const int num_blocks = (context_len + a.block_size - 1) / a.block_size;
@@ -95,10 +87,7 @@ void attend_one(const AttentionArgs& a, int seq, int kv_head, T* out, const T* q
     }
   }
 
-  for (int g = 0; g < group; ++g) {
-    T* dst = out_row(g);
-    for (int i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[g * D + i] * inv_sum[g]);
-  }
+  heads.write_outputs(out, acc.data(), inv_sum.data());
 }
 
 

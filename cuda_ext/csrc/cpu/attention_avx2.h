@@ -124,13 +124,9 @@ void attend_one_avx2(const AttentionArgs& a, const TaskRows<T>& task, const Task
   static_assert(D % 8 == 0, "the AVX2 path takes whole vectors");
   constexpr int V = D / 8;  // vectors per row
   constexpr int kTile = kTileFor<T, D>;
-  const int group = a.num_heads / a.num_kv_heads;
-  const int first_head = task.kv_head * group;
-  auto out_row = [&](int g) { return out + seq * a.out_stride_seq + (first_head + g) * a.out_stride_head; };
-  if (context_len == 0) {
-    for (int g = 0; g < group; ++g) std::fill(out_row(g), out_row(g) + D, T(0.f));
-    return;
-  }
+  const HeadGroup<T> heads(a, seq, task.kv_head, D);
+  const int group = heads.group;
+  if (context_len == 0) return heads.zero_outputs(out);
   Scratch& s = scratch();
   // logits in tile order (entry j * kTile + i: lane i's token of tile j), padded to whole tiles
   const int per = task.tiles(kTile);
@@ -142,10 +138,7 @@ void attend_one_avx2(const AttentionArgs& a, const TaskRows<T>& task, const Task
   float* q = s.q.data();
   float* logits = s.logits.data();
   float* inv_sum = s.inv_sum.data();
-  for (int g = 0; g < group; ++g) {
-    const T* src = query + seq * a.q_stride_seq + (first_head + g) * a.q_stride_head;
-    for (int i = 0; i < D; ++i) q[g * D + i] = static_cast<float>(src[i]) * a.scale;
-  }
+  heads.scaled_queries(query, q);
   // the m-th tile of this task's stream (K tiles, then V tiles), then of the next task's
   auto prefetch_tile = [&](int m) {
     if constexpr (kAheadTiles<T, D> > 0) {
@@ -211,11 +204,7 @@ void attend_one_avx2(const AttentionArgs& a, const TaskRows<T>& task, const Task
       }
     }
   }
-  for (int g = 0; g < group; ++g) {
-    T* dst = out_row(g);
-    const float* acc = acc_all + g * D;
-    for (int i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[i] * inv_sum[g]);
-  }
+  heads.write_outputs(out, acc_all, inv_sum);
 }
 
 }  // namespace paged_serve::cpu::attention

@@ -131,13 +131,9 @@ void attend_one_avx512(const AttentionArgs& a, const TaskRows<T>& task, const Ta
   const int seq = task.seq, context_len = task.context_len;
   constexpr int V = D / 16;  // 16-float vectors per row
   constexpr int kTile = kTile512;
-  const int group = a.num_heads / a.num_kv_heads;
-  const int first_head = task.kv_head * group;
-  auto out_row = [&](int g) { return out + seq * a.out_stride_seq + (first_head + g) * a.out_stride_head; };
-  if (context_len == 0) {
-    for (int g = 0; g < group; ++g) std::fill(out_row(g), out_row(g) + D, T(0.f));
-    return;
-  }
+  const HeadGroup<T> heads(a, seq, task.kv_head, D);
+  const int group = heads.group;
+  if (context_len == 0) return heads.zero_outputs(out);
   Scratch& s = scratch();
   constexpr int ahead = kAhead512<T, D>;
   const int per = task.tiles(kTile);
@@ -192,7 +188,7 @@ void attend_one_avx512(const AttentionArgs& a, const TaskRows<T>& task, const Ta
     // the query's bf16 bits, as pairs: vdpbf16ps multiplies them with the row's pairs
     auto* qb = reinterpret_cast<uint16_t*>(q);  // group * D bf16 fit in q's group * D floats
     for (int g = 0; g < group; ++g)
-      std::memcpy(qb + g * D, query + seq * a.q_stride_seq + (first_head + g) * a.q_stride_head, D * sizeof(T));
+      std::memcpy(qb + g * D, heads.query_row(query, g), D * sizeof(T));
     const __m256 scale = _mm256_set1_ps(a.scale);
     const T* krows[kTile];
     for (int t0 = 0; t0 < padded; t0 += kTile) {
@@ -212,10 +208,7 @@ void attend_one_avx512(const AttentionArgs& a, const TaskRows<T>& task, const Ta
     }
 #endif
   } else {
-    for (int g = 0; g < group; ++g) {
-      const T* src = query + seq * a.q_stride_seq + (first_head + g) * a.q_stride_head;
-      for (int i = 0; i < D; ++i) q[g * D + i] = static_cast<float>(src[i]) * a.scale;
-    }
+    heads.scaled_queries(query, q);
     for (int t0 = 0; t0 < padded; t0 += kTile) {
       prefetch_tile(t0 / kTile + ahead);
       tile_as_float(task.key_cache, t0);
@@ -276,11 +269,7 @@ void attend_one_avx512(const AttentionArgs& a, const TaskRows<T>& task, const Ta
         for (int v = 0; v < 2 * C; ++v) _mm512_storeu_ps(dst + 16 * v, acc[v]);
       }
     }
-    for (int g = 0; g < group; ++g) {
-      T* dst = out_row(g);
-      const float* acc = acc_all + g * D;
-      for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[unpacked_index(d)] * inv_sum[g]);
-    }
+    heads.write_outputs(out, acc_all, inv_sum, unpacked_index);
     return;
 #endif
   } else {
@@ -304,11 +293,7 @@ void attend_one_avx512(const AttentionArgs& a, const TaskRows<T>& task, const Ta
         }
       }
     }
-    for (int g = 0; g < group; ++g) {
-      T* dst = out_row(g);
-      const float* acc = acc_all + g * D;
-      for (int i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[i] * inv_sum[g]);
-    }
+    heads.write_outputs(out, acc_all, inv_sum);
   }
 }
 

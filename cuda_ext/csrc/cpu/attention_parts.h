@@ -41,6 +41,43 @@ inline int offset_in_block(const AttentionArgs& a, int t) {
   return a.block_shift >= 0 ? t & (a.block_size - 1) : t % a.block_size;
 }
 
+// The query heads one task computes: the `group` heads from `first_head` on (one KV head's), of
+// sequence `seq`, with rows of D elements. What every path of the kernel reads and writes.
+template <typename T>
+struct HeadGroup {
+  const AttentionArgs& a;
+  int seq, first_head, group, D;
+  HeadGroup(const AttentionArgs& args, int seq_, int kv_head, int head_size)
+      : a(args), seq(seq_), first_head(kv_head * (args.num_heads / args.num_kv_heads)),
+        group(args.num_heads / args.num_kv_heads), D(head_size) {}
+  const T* query_row(const T* query, int g) const {
+    return query + seq * a.q_stride_seq + (first_head + g) * a.q_stride_head;
+  }
+  T* out_row(T* out, int g) const { return out + seq * a.out_stride_seq + (first_head + g) * a.out_stride_head; }
+  // A context of length 0 has nothing to attend to: its output is defined as zeros.
+  void zero_outputs(T* out) const {
+    for (int g = 0; g < group; ++g) std::fill(out_row(out, g), out_row(out, g) + D, T(0.f));
+  }
+  // q[g * D + i] = query row g, element i, in fp32, times the scale.
+  void scaled_queries(const T* query, float* q) const {
+    for (int g = 0; g < group; ++g) {
+      const T* src = query_row(query, g);
+      for (int i = 0; i < D; ++i) q[g * D + i] = static_cast<float>(src[i]) * a.scale;
+    }
+  }
+  // Output row g, element i = acc[g * D + at(i)] * inv_sum[g] (`at`: where a path keeps element i).
+  template <typename At>
+  void write_outputs(T* out, const float* acc, const float* inv_sum, At at) const {
+    for (int g = 0; g < group; ++g) {
+      T* dst = out_row(out, g);
+      for (int i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[g * D + at(i)] * inv_sum[g]);
+    }
+  }
+  void write_outputs(T* out, const float* acc, const float* inv_sum) const {
+    write_outputs(out, acc, inv_sum, [](int i) { return i; });
+  }
+};
+
 // Copy `n` elements of a K/V row to fp32 (a no-op view for fp32 caches).
 template <typename T, int N>
 inline const float* row_as_float(const T* src, float* buf, int n) {
