@@ -155,7 +155,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const int block_shift = (block_size & (block_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(block_size)) : -1;
   const AttentionArgs args{
       static_cast<int>(query.size(1)), num_kv_heads, static_cast<int>(query.size(2)),
-      static_cast<int>(key_cache.size(2)), static_cast<int>(tables.size(1)),
+      block_size, static_cast<int>(tables.size(1)),
       query.stride(0), query.stride(1), out.stride(0), out.stride(1),
       key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), static_cast<float>(scale), block_shift};
 

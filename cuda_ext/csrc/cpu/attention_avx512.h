@@ -141,7 +141,8 @@ void attend_one_avx512(const AttentionArgs& a, const TaskRows<T>& task, const Ta
   s.q.resize(static_cast<size_t>(group) * D);
   s.logits.resize(static_cast<size_t>(group) * padded);
   s.inv_sum.resize(group);
-  s.rows.resize(static_cast<size_t>(kTile) * D);
+  // fp16 rows (and bf16 without AVX512_BF16) are converted into `rows`; fp32 and vdpbf16ps read the cache
+  if constexpr (!std::is_same_v<T, float> && !kBf16Dot<T, D>) s.rows.resize(static_cast<size_t>(kTile) * D);
   s.offsets.resize(padded);
   if constexpr (kBf16Dot<T, D>) s.weights.resize(static_cast<size_t>(group) * padded);
   uint16_t* weights = s.weights.data();  // the bf16 path's softmax weights as bf16
