@@ -230,6 +230,24 @@ def draw_tokens(logits: Tensor, temperature: Tensor, top_p: Tensor, u: Tensor) -
     return tokens
 
 
+def score_tokens(logits: Tensor, targets: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per row of ``logits`` (``[rows, vocab]``; ``targets`` int64 ``[rows]``): the target's raw
+    logprob (float32) and rank (int32: 1 + the logits strictly above it), and the row's ``k``
+    best ids (int64 ``[rows, k]``, largest first, ties by lower id) with their logprobs (float32
+    ``[rows, k]``). A row of CPU logits holding NaN or +inf gets rank 0 from the compiled
+    kernel: the caller scores it with :func:`cuda_ext.reference.score_tokens`, whose results the
+    kernel's equal to rounding on every other row."""
+    rows = logits.shape[0]
+    dev = logits.device
+    if rows and draw_tokens_compiled(logits):
+        logits = logits if logits.dtype == torch.float32 and logits.stride(-1) == 1 else logits.float().contiguous()
+        out = (torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.int32),
+               torch.empty(rows, k, dtype=torch.int64), torch.empty(rows, k, dtype=torch.float32))
+        torch.ops.paged_serve.score_tokens(logits, targets.to(torch.int64).contiguous(), k, *out)
+        return out
+    return reference.score_tokens(logits.to(dev), targets, k)
+
+
 @functools.cache
 def linear_panels_available() -> bool:
     """Whether the CPU fp32 panel GEMM (csrc/cpu/linear.cpp: AVX2 + FMA builds) is loaded."""

@@ -122,6 +122,22 @@ def draw_tokens(logits: Tensor, temperature: Tensor, top_p: Tensor, u: Tensor, t
     tokens.copy_(torch.where(alive & accepted, tok, -1))
 
 
+def score_tokens(logits: Tensor, targets: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The compiled ``score_tokens`` in torch: (the targets' logprobs, their ranks as int32, the
+    ``k`` best ids and their logprobs) per row. A NaN logprob (a row of -inf, or NaN logits) is
+    reported as -inf."""
+    logits = logits.float()
+    targets = targets.to(device=logits.device, dtype=torch.long)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = logits.gather(1, targets[:, None])
+    ranks = (logits > chosen).sum(dim=-1, dtype=torch.int32) + 1
+    logprobs = (chosen - lse)[:, 0]
+    values, ids = torch.topk(logits, k, dim=-1) if k > 0 else (logits[:, :0], logits[:, :0].long())
+    values = values - lse
+    neg_inf = float("-inf")
+    return logprobs.masked_fill_(logprobs.isnan(), neg_inf), ranks, ids, values.masked_fill_(values.isnan(), neg_inf)
+
+
 # The model's elementwise work (the compiled versions fuse each into one pass: cpu/fused.cpp).
 # These are what engine/models/layers.py always ran; the compiled ones match them to rounding.
 

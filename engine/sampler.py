@@ -22,6 +22,7 @@ from itertools import chain
 
 import torch
 
+from cuda_ext import ops, reference
 from engine.random_sampling import (  # noqa: F401 (_sampling_probs: the tests' reference distribution)
     _F32,
     _NEG_INF,
@@ -274,32 +275,27 @@ def score_tokens(
     the prompt's logits scores prompt token i + 1). `num_top` is per row or one for all: None
     gives top_logprobs=None, 0 an empty list.
     """
-    logits = logits.float()
     rows = logits.shape[0]
     if not isinstance(num_top, list):
         num_top = [num_top] * rows
     token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=logits.device)
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    chosen = logits.gather(1, token_ids[:, None])
-    ranks = (logits > chosen).sum(dim=-1, dtype=torch.int32) + 1
-    chosen_logprobs = _nan_to_neg_inf(chosen - lse)[:, 0].tolist()
-
     k = min(max((n or 0) for n in num_top), logits.shape[1]) if rows else 0
-    top_ids = top_vals = None
+    # NOTE: one compiled pass pair per row on CPU logits (cpu/scoring.cpp); rows it leaves to
+    # torch (NaN or +inf logits: rank 0) are scored again the torch way.
+    chosen_logprobs, ranks, top_ids, top_vals = ops.score_tokens(logits, token_ids, k)
+    redo = (ranks == 0).nonzero()[:, 0] if rows else ranks
+    if len(redo):
+        lp, rk, ti, tv = reference.score_tokens(logits.index_select(0, redo), token_ids[redo], k)
+        chosen_logprobs[redo], ranks[redo], top_ids[redo], top_vals[redo] = lp, rk, ti, tv
+    chosen_logprobs, ranks = chosen_logprobs.tolist(), ranks.tolist()
     if k > 0:
-        values, ids = torch.topk(logits, k, dim=-1)
-        top_vals, top_ids = _nan_to_neg_inf(values - lse).tolist(), ids.tolist()
+        top_ids, top_vals = top_ids.tolist(), top_vals.tolist()
 
     results = []
-    for i, (tok, lp, rank) in enumerate(zip(token_ids.tolist(), chosen_logprobs, ranks.tolist())):
+    for i, (tok, lp, rank) in enumerate(zip(token_ids.tolist(), chosen_logprobs, ranks)):
         n = num_top[i]
         top = None
         if n is not None:
             top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n > 0 else []
         results.append(SampleResult(token_id=tok, logprob=lp, rank=rank, top_logprobs=top))
     return results
-
-
-def _nan_to_neg_inf(logprobs: torch.Tensor) -> torch.Tensor:
-    """A row whose raw logits are all -inf has NaN logprobs (-inf - -inf): report -inf."""
-    return logprobs.masked_fill_(logprobs.isnan(), _NEG_INF)

@@ -47,6 +47,9 @@ TORCH_LIBRARY(paged_serve, m) {
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   // The sampler's fused draw (cpu/sampling.cpp); CPU only: the sampler uses it for CPU logits.
   m.def("draw_tokens(Tensor logits, Tensor temperature, Tensor top_p, Tensor u, Tensor(a!) tokens) -> ()");
+  // Token scores and top k (cpu/scoring.cpp); CPU only: the sampler uses it for CPU logits.
+  m.def("score_tokens(Tensor logits, Tensor targets, int k, Tensor(a!) logprob, Tensor(b!) rank, "
+        "Tensor(c!) top_ids, Tensor(d!) top_vals) -> ()");
   // The model's elementwise work, one pass each (cpu/fused.cpp); CPU only: the layers use them
   // for CPU tensors and keep their torch code elsewhere.
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
@@ -82,6 +85,7 @@ TORCH_LIBRARY_IMPL(paged_serve, CPU, m) {
   m.impl("copy_blocks", &cpu::copy_blocks);
   m.impl("swap_blocks", &cpu::swap_blocks);
   m.impl("draw_tokens", &cpu::draw_tokens);
+  m.impl("score_tokens", &cpu::score_tokens);
   m.impl("rms_norm", &cpu::rms_norm);
   m.impl("fused_add_rms_norm", &cpu::fused_add_rms_norm);
   m.impl("rotary_embedding", &cpu::rotary_embedding);
@@ -106,6 +110,8 @@ TORCH_LIBRARY_IMPL(paged_serve, Meta, m) {
   m.impl("copy_blocks", [](at::TensorList, at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&) {});
   m.impl("swap_blocks", [](const at::Tensor&, at::Tensor&, const at::Tensor&) {});
   m.impl("draw_tokens", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&) {});
+  m.impl("score_tokens", [](const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&, at::Tensor&, at::Tensor&,
+                            at::Tensor&) {});
   m.impl("rms_norm", [](at::Tensor&, const at::Tensor&, const at::Tensor&, double) {});
   m.impl("fused_add_rms_norm", [](at::Tensor&, at::Tensor&, const at::Tensor&, double) {});
   m.impl("rotary_embedding", [](const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&) {});

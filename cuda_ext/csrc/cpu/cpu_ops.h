@@ -27,6 +27,10 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
 void draw_tokens(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_p,
                  const at::Tensor& u, at::Tensor& tokens);
 
+// The scores of given tokens and each row's top k, in two passes per row (scoring.cpp); CPU only.
+void score_tokens(const at::Tensor& logits, const at::Tensor& targets, int64_t k, at::Tensor& logprob,
+                  at::Tensor& rank, at::Tensor& top_ids, at::Tensor& top_vals);
+
 // The model's elementwise work in one pass each (fused.cpp); CPU only.
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
