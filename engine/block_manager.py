@@ -126,19 +126,22 @@ class BlockManager:
             return 0
         return min([len(group.prompt_token_ids) // self.block_size] + [(len(s) - 1) // self.block_size for s in seqs])
 
-    def _looks_up_cache(self, group: SequenceGroup) -> bool:
-        """Whether the group's prompt may be served from the prefix cache. A request that asks
-        for prompt logprobs needs logits for every prompt row, so it computes its whole prompt
-        (it still publishes its full blocks for others)."""
-        return self.enable_prefix_caching and group.params.prompt_logprobs is None
+    def _cacheable_blocks(self, group: SequenceGroup, seq: Sequence) -> int:
+        """How many of the sequence's leading full blocks the prefix cache may serve: none
+        without prefix caching; for a request with prompt logprobs still to compute, only those
+        before its last scored position (`SequenceGroup.cacheable_prompt_tokens`: the rows that
+        score the others must run; it publishes its full blocks for others as any request does)."""
+        if not self.enable_prefix_caching:
+            return 0
+        limit = group.cacheable_prompt_tokens
+        return len(seq) // self.block_size if limit is None else min(len(seq), limit) // self.block_size
 
     def _cache_hits(self, group: SequenceGroup, seq: Sequence) -> list[Block]:
         """The sequence's leading full blocks found in the device prefix cache, up to the first
-        miss; empty when the group does not look up the cache. Mutates nothing but the chain."""
+        miss or `_cacheable_blocks`. Mutates nothing but the chain."""
         hits: list[Block] = []
-        if not self._looks_up_cache(group):
-            return hits
-        for i, h in enumerate(self._hashes(seq, group.params.cache_salt, len(seq) // self.block_size)):
+        num = self._cacheable_blocks(group, seq)
+        for i, h in enumerate(self._hashes(seq, group.params.cache_salt, num) if num else ()):
             block = self.device.lookup(h, self._block_tokens(seq, i))
             if block is None:
                 break
@@ -203,7 +206,7 @@ class BlockManager:
                 table = first[: plan.num_shared]
                 for i in table:
                     pool.ref(pool.blocks[i])
-            elif idx == 0 and self._looks_up_cache(group):
+            elif idx == 0 and self._cacheable_blocks(group, seq):
                 self.prefix_queries += len(seq)
                 for b in plan.hits:
                     assert b.hash is not None, "a planned hit was evicted"

@@ -185,8 +185,7 @@ class LLMEngine:
         step_input = StepInput.from_scheduler_output(sched, prompt_logprobs.wanted(sched))
         step_output = self.executor.execute(step_input)
         now = time.monotonic()
-        prompt_logprobs.assign(sched, step_input, step_output.prompt_scores, self.output_processor.logprob_entry,
-                               self._fail)
+        prompt_logprobs.assign(sched, step_input, step_output.prompt_scores, self._fail)
         forks: list[tuple[Sequence, Sequence]] = []
         dropped: list[Sequence] = []
         self._process_samples(sched, step_output.logits, now, forks, dropped)

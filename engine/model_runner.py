@@ -15,7 +15,7 @@ from array import array
 
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +62,14 @@ class SeqInput:
     # it, with its k best alternatives (see `StepOutput.prompt_scores`). None: no scores.
     prompt_logprobs: int | None = None
     block_row: int = -1  # a decode's row in `StepInput.table_rows` (-1: none)
+    # With prompt_logprobs, a chunk short of the prompt's end: the prompt token after
+    # token_ids, which the last row scores too (-1: none).
+    score_next: int = -1
+
+    @property
+    def score_targets(self) -> list[int]:
+        """The tokens this sequence's rows score, in row order (prompt logprobs only)."""
+        return self.token_ids[1:] + [self.score_next] if self.score_next >= 0 else self.token_ids[1:]
 
 
 @dataclass
@@ -79,21 +87,24 @@ class StepInput:
     table_rows: TableRows | None = None
 
     @classmethod
-    def from_scheduler_output(cls, out: SchedulerOutput, prompt_logprobs: Collection[int] = ()) -> "StepInput":
+    def from_scheduler_output(cls, out: SchedulerOutput, prompt_logprobs: Mapping[int, int] | None = None) -> "StepInput":
         """Read before the engine advances `num_computed_tokens` for this step.
-        `prompt_logprobs`: indices into `out.scheduled` of prefills whose computed tokens are
-        all scored with their request's `params.prompt_logprobs` alternatives (see
-        `ModelRunner.execute`)."""
+        `prompt_logprobs`: indices into `out.scheduled` of prefills whose rows score prompt
+        tokens with their request's `params.prompt_logprobs` alternatives (see
+        `ModelRunner.execute`), each mapped to its `SeqInput.score_next`."""
+        prompt_logprobs = prompt_logprobs or {}
         seqs = []
         row_of = out.table_rows.row_of if out.table_rows is not None else {}
         for i, s in enumerate(out.scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
             ids = seq.tokens(start, start + s.num_tokens) if s.is_prefill else [seq.last_token_id]
-            k = s.group.params.prompt_logprobs if s.is_prefill and i in prompt_logprobs else None
+            scored = s.is_prefill and i in prompt_logprobs
+            k = s.group.params.prompt_logprobs if scored else None
             # NOTE: the block table is the block manager's live list, not a copy: it is read
             # before the block manager changes again (pickled for tensor-parallel workers).
             row = -1 if s.is_prefill else row_of.get(seq.seq_id, -1)
-            seqs.append(SeqInput(ids, start, s.block_table, s.is_prefill, k, row))
+            seqs.append(SeqInput(ids, start, s.block_table, s.is_prefill, k, row,
+                                 prompt_logprobs[i] if scored else -1))
         return cls(seqs, list(out.blocks_to_swap_in), list(out.blocks_to_swap_out), list(out.blocks_to_copy),
                    PROMPT_LOGPROB_CHUNK_ROWS, out.table_rows)
 
@@ -106,7 +117,7 @@ class StepOutput:
     # ignores it for a prefill chunk that stops short of the prompt's end)
     logits: torch.Tensor
     # One per sequence of the step: for one with `prompt_logprobs` k, a SampleResult (raw
-    # logprob, rank, k alternatives) per token of token_ids[1:], in order; otherwise None. Only
+    # logprob, rank, k alternatives) per token of `score_targets`, in order; otherwise None. Only
     # the driver (rank 0) scores: other ranks' results are never used, and hold None throughout.
     prompt_scores: list[list[SampleResult] | None] = field(default_factory=list)
 
@@ -197,9 +208,9 @@ class ModelRunner:
     def _prompt_scores(self, step: StepInput, hidden: torch.Tensor):
         """`StepOutput.prompt_scores`; `hidden` holds every scored token's predecessor, in step
         order."""
-        wanted = [s for s in step.seqs if s.prompt_logprobs is not None]
-        targets = [t for s in wanted for t in s.token_ids[1:]]
-        num_top = [s.prompt_logprobs for s in wanted for _ in s.token_ids[1:]]
+        wanted = [(s, s.score_targets) for s in step.seqs if s.prompt_logprobs is not None]
+        targets = [t for _, ts in wanted for t in ts]
+        num_top = [s.prompt_logprobs for s, ts in wanted for _ in ts]
         driver = parallel.rank() == 0
         scores: list[SampleResult] = []
         chunk = step.logit_chunk_rows
@@ -214,14 +225,16 @@ class ModelRunner:
             if s.prompt_logprobs is None or not driver:
                 out.append(None)
             else:
-                out.append(scores[pos : pos + len(s.token_ids) - 1])
-                pos += len(s.token_ids) - 1
+                n = len(s.token_ids) - 1 + (s.score_next >= 0)
+                out.append(scores[pos : pos + n])
+                pos += n
         return out
 
     def _prepare(self, step: StepInput):
         """The step's model inputs (token ids, positions), its attention metadata (the
         backend's), and the rows whose hidden states are wanted: each sequence's last token
-        (its logits), then the other computed tokens of sequences with prompt_logprobs."""
+        (its logits), then the rows that score prompt tokens (`SeqInput.score_targets`: every
+        row of a sequence with prompt_logprobs but a chunk's last row that ends the prompt)."""
         ids = array("q")
         pos = array("q")
         rows = array("q")
@@ -232,7 +245,7 @@ class ModelRunner:
             pos.extend(range(s.start, s.start + n))
             rows.append(row0 + n - 1)
             if s.prompt_logprobs is not None:
-                extra_rows.extend(range(row0, row0 + n - 1))
+                extra_rows.extend(range(row0, row0 + n - (s.score_next < 0)))
         rows.extend(extra_rows)
         meta = self.attn_backend.build_metadata(step.seqs, step.table_rows)
         dev = self.device

@@ -50,10 +50,10 @@ prefilled again later from its prompt and generated tokens. A parked extra is al
 Chunked prefill (`enable_chunked_prefill`): a prompt whose uncomputed tokens exceed the step's
 remaining budget is prefilled over several steps, each chunk ending on a block boundary where the
 budget allows (`StepPlan._chunk_size`); it samples only at the chunk that computes its last token
-(`ScheduledSeq.samples`). A request whose prompt logprobs are still to be computed is not chunked
-(every prompt row is scored in one step): it is prefilled whole once it fits the budget, or as
-the oldest request even past the budget (that step runs nothing else). Recomputed beams prefill
-up to their last token, then decode together, so that every beam samples in the same step.
+(`ScheduledSeq.samples`). A request with prompt logprobs is chunked like any other: each chunk
+scores its own rows and the scores gather on the request (engine/prompt_logprobs.py), so no
+step runs more than the budget. Recomputed beams prefill up to their last token, then decode
+together, so that every beam samples in the same step.
 
 Step-time target (`target_itl_ms`): other requests' chunks are cut so that a step with decodes
 stays within a time, unless they have waited long (engine/step_cost.py says how and why).
@@ -73,7 +73,7 @@ from engine.kv_view import KvEventLog
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.step_cost import StepCost
-from engine.step_plan import PrefillCap, StepPlan, all_at_once, has_waiting, logprobs_pending
+from engine.step_plan import PrefillCap, StepPlan, all_at_once, has_waiting
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
 
@@ -393,7 +393,7 @@ class Scheduler:
         # NOTE: blocks whose tokens this step might not compute (a chunk, a recomputed beam that
         # stops short of its last token, anything scheduled after (1)) publish no prefix-cache
         # hash yet; the engine registers each block once its tokens have run.
-        chunks = self.config.enable_chunked_prefill and not logprobs_pending(group)
+        chunks = self.config.enable_chunked_prefill
         register = not schedule_later and not chunks and not StepPlan.is_multi_beam(group)
         self.block_manager.allocate(group, register=register, plan=plan)
         for seq in plan.seqs:

@@ -183,9 +183,11 @@ class SequenceGroup:
         self.max_tokens = params.max_tokens  # the engine caps it at the end of the context
         self.error: str | None = None  # why the request failed inside the engine, if it did
         self.invalid_request = False  # that failure was the request's own fault (a 400, not a 500)
-        # With params.prompt_logprobs: one entry per prompt token (None for the first), computed
-        # once, at the request's first prefill.
+        # With params.prompt_logprobs: one entry per prompt token (None for the first), set once
+        # every prompt token has one; until then `prompt_logprobs_so_far` gathers them chunk by
+        # chunk as the lead sequence prefills the prompt (engine/prompt_logprobs.py).
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.prompt_logprobs_so_far: list[dict[int, Logprob] | None] = [None]
         self.beam_state: BeamState | None = None  # once a beam search has started (engine/beam_search.py)
         self.output_kind = OutputKind.CUMULATIVE  # what each RequestOutput holds (set by the engine)
         self.stop_token_set = frozenset(params.stop_token_ids)
@@ -196,6 +198,20 @@ class SequenceGroup:
     @property
     def is_beam_search(self) -> bool:
         return self.params.use_beam_search
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """The request asked for prompt logprobs and some are still to be computed."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    @property
+    def cacheable_prompt_tokens(self) -> int | None:
+        """How many leading tokens the prefix cache may serve: any (None) unless prompt logprobs
+        are pending; then those before the last position already scored, since the row before
+        each unscored position must be computed to score it."""
+        if not self.prompt_logprobs_pending:
+            return None
+        return len(self.prompt_logprobs_so_far) - 1
 
     @property
     def num_seqs_reserved(self) -> int:

@@ -26,15 +26,9 @@ _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
 
 
-def logprobs_pending(group: SequenceGroup) -> bool:
-    """The request's prompt logprobs are still to be computed (at its first prefill)."""
-    return group.params.prompt_logprobs is not None and group.prompt_logprobs is None
-
-
 def all_at_once(group: SequenceGroup) -> bool:
-    """Whether the group's waiting sequences come in together: beams (they sample together)
-    and a request whose prompt logprobs are still to be computed."""
-    return group.is_beam_search or logprobs_pending(group)
+    """Whether the group's waiting sequences come in together: beams (they sample together)."""
+    return group.is_beam_search
 
 
 def has_waiting(group: SequenceGroup) -> bool:
@@ -149,15 +143,10 @@ class StepPlan:
         entry = self.scheduled.get(seq.seq_id)
         return seq.num_computed_tokens + (entry[0].num_tokens if entry else 0)
 
-    def may_chunk(self, group: SequenceGroup) -> bool:
-        """Whether the group's prefills may be split over steps: chunked prefill is on and its
-        prompt logprobs (which need every prompt row in one step) are not still to be computed."""
-        return self.chunked and not logprobs_pending(group)
-
     def prefill_fits(self, group: SequenceGroup, seqs_or_plan: list[Sequence] | AdmissionPlan) -> bool:
         """Whether the step's token budget takes these waiting sequences' prefill: all of it
         without chunking, a first chunk with it."""
-        if self.may_chunk(group):
+        if self.chunked:
             return self.prefill_budget(group) >= 1
         plan = seqs_or_plan if isinstance(seqs_or_plan, AdmissionPlan) else self.block_manager.plan(group, seqs_or_plan)
         return plan.num_new_tokens <= self.tokens
@@ -184,9 +173,9 @@ class StepPlan:
         step's token budget: decodes (`decode`) take a slot for their next token, prefills
         (`prefill`) their next chunk (or all their uncomputed tokens without chunking).
         Beams decode together or not at all; recomputed beams stop a token short. `oldest`:
-        the oldest request, scheduled first, whose prefill that cannot be chunked (its prompt
-        logprobs) runs whole even past the budget, so that any prompt within max_model_len can
-        ask for prompt logprobs."""
+        the oldest request, scheduled first, whose chunk the step-time cap does not cut.
+        NOTE: a request with prompt logprobs chunks like any other (each chunk scores its own
+        rows, engine/prompt_logprobs.py), so no request's prefill runs past the budget."""
         if only is None and len(group.seqs) == 1:
             # NOTE: the common case, for every request at every step: one sequence, no beams.
             seq = group.seqs[0]
@@ -213,14 +202,11 @@ class StepPlan:
                 if decode and self._caught_up(seq):
                     self._decode(seq, group, seq.num_uncomputed_tokens)
             elif prefill:
-                chunks = self.may_chunk(group)
+                chunks = self.chunked
                 n = self._chunk_size(seq, self.prefill_budget(group, oldest)) if chunks else seq.num_uncomputed_tokens
                 if beams:
                     n = min(n, seq.num_uncomputed_tokens - 1)
-                # NOTE: past the budget only for the oldest's prompt-logprob prefill with
-                # chunking on, in a step that holds nothing else yet: it runs alone.
-                whole = oldest and self.chunked and not chunks and not self.scheduled
-                if 0 < n and (n <= self.tokens or whole) and self._caught_up(seq):
+                if 0 < n <= self.tokens and self._caught_up(seq):
                     self._add(ScheduledSeq(seq, group, n, True, self.block_manager.tables[seq.seq_id],
                                            samples=n == seq.num_uncomputed_tokens))
 

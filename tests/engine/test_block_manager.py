@@ -145,7 +145,8 @@ def test_cache_salt_separates_tenants():
 
 
 def test_prompt_logprobs_request_computes_its_whole_prompt_but_publishes_its_blocks():
-    """Prompt logprobs need logits for every prompt row: no cache hit, no query counted; the
+    """Prompt logprobs need logits for every prompt row not scored yet: no cache hit (no query
+    counted) before any is scored, hits only before the last scored position after; the
     request's full blocks still go to the cache for the requests after it."""
     bm = BlockManager(8, 0, 4, enable_prefix_caching=True)
     a = make_group(9, "a")
@@ -171,6 +172,14 @@ def test_prompt_logprobs_request_computes_its_whole_prompt_but_publishes_its_blo
     assert bm.block_table(b.seqs[0]).tolist() == [0, 1, 3]
     assert b.seqs[0].num_computed_tokens == 8
     assert (bm.prefix_queries, bm.prefix_hits) == (9, 8)
+    # Scores gathered for positions 0..5 (a recompute part way through the prompt): the cache
+    # serves the tokens before position 5, whole blocks of them (one of 4); all once complete.
+    q = make_group(9, "q", prompt_logprobs=1)
+    q.prompt_logprobs_so_far.extend({} for _ in range(5))
+    assert q.cacheable_prompt_tokens == 5
+    assert bm.num_tokens_to_compute(q) == 5
+    q.prompt_logprobs = q.prompt_logprobs_so_far
+    assert q.cacheable_prompt_tokens is None and bm.num_tokens_to_compute(q) == 1
     bm.free(b.seqs[0])
     bm.check_integrity()
 

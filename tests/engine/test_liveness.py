@@ -25,7 +25,6 @@ from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import SequenceGroup, SequenceStatus
-from engine.step_plan import logprobs_pending
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class Req:
     best_of: int
     beam: bool
     prefix: int  # how many leading tokens come from the shared base prompt (prefix caching)
-    prompt_logprobs: bool = False  # never chunked; as the oldest, prefilled whole past the budget
+    prompt_logprobs: bool = False  # scored chunk by chunk (engine/prompt_logprobs.py)
 
 
 @dataclass(frozen=True)
@@ -110,14 +109,22 @@ def step(sched: Scheduler, rng: random.Random, w: World) -> list[SequenceGroup]:
     if any(g.request_id in out.preempted for g in [*sched.waiting, *sched.swapped]):
         # a request was preempted whole: no extra sample may run in its place
         assert all(len(g.seqs_with_status(SequenceStatus.RUNNING)) <= 1 or g.is_beam_search for g in sched.running)
-    if out.num_batched_tokens > w.budget:
-        # only the oldest request's prompt-logprob prefill (never chunked) passes it, alone
-        assert w.chunked and len({s.group.request_id for s in out.scheduled}) == 1
-        assert logprobs_pending(out.scheduled[0].group) and out.scheduled[0].group is sched.running[0]
-        event("a prompt-logprob prefill past the budget")
+    # no step passes the budget, prompt-logprob requests' included
+    assert out.num_batched_tokens <= w.budget
     beams: dict[str, list] = {}
     for s in out.scheduled:
         assert s.block_table == bm.block_table(s.seq)
+        g = s.group
+        if s.is_prefill and g.prompt_logprobs_pending and s.seq is g.seqs[0]:
+            # what engine/prompt_logprobs.py gathers: this chunk's rows score the positions after
+            # them; none may be left unscored before the chunk (prefix hits stop short of them)
+            so_far, start, prompt = g.prompt_logprobs_so_far, s.seq.num_computed_tokens, g.prompt_token_ids
+            assert start < len(so_far), (g.request_id, start, len(so_far))
+            so_far.extend({} for _ in range(len(so_far), min(start + s.num_tokens + 1, len(prompt))))
+            if start + s.num_tokens >= len(prompt):
+                g.prompt_logprobs = so_far
+                if start > 0:
+                    event("prompt logprobs over several chunks")
         s.seq.num_computed_tokens += s.num_tokens
         assert s.seq.num_computed_tokens <= len(s.seq)
         if s.is_prefill:
@@ -125,9 +132,7 @@ def step(sched: Scheduler, rng: random.Random, w: World) -> list[SequenceGroup]:
         if not s.samples:
             continue
         assert s.seq.num_uncomputed_tokens == 0
-        g = s.group
-        if logprobs_pending(g):
-            g.prompt_logprobs = []  # computed in this step (engine/prompt_logprobs.py)
+        assert not g.prompt_logprobs_pending, "sampled before its prompt logprobs were complete"
         if g.is_beam_search:
             beams.setdefault(g.request_id, [g, []])[1].append(s.seq)
             continue

@@ -182,3 +182,83 @@ def test_lm_head_rows_bounded_by_chunk(make_llm, prompts, reference, monkeypatch
     assert sum(calls) >= rows and len(calls) >= rows // chunk, calls
     assert_matches_hf(outs[0].prompt_logprobs, ids[0], reference[2], label="130 tokens, chunks of 16")
     assert_matches_hf(outs[1].prompt_logprobs, ids[1], reference[1], k=1, label="37 tokens, chunks of 16")
+
+
+def test_chunks_of_random_sizes_equal_the_one_step_result(make_llm, tokenizer):
+    """Seeded walk: prompt-logprob requests beside plain ones on a small pool (recompute
+    preemption, prefix caching on), each step with a random token budget, so prompts are cut
+    into chunks of random sizes, preempted part way and recomputed, with prefix-cache hits for
+    the positions already scored. Every request's prompt logprobs equal those of an engine that
+    computes each prompt in one step (fp32 tolerance) and name the same top-k ids; each of the
+    walk's situations occurs."""
+    import dataclasses
+    import random
+
+    one_step = make_llm(block_size=4, max_model_len=160, enable_chunked_prefill=False)
+    walker = make_llm(block_size=4, max_model_len=160, enable_chunked_prefill=True, enable_prefix_caching=True,
+                      num_gpu_blocks_override=42, preemption_mode="recompute", max_num_seqs=4,
+                      max_num_batched_tokens=64)
+    engine = walker.engine
+    bm, config = engine.block_manager, engine.scheduler.config
+    seen = {"chunked": 0, "preempted": 0, "hits after a preemption": 0}
+    admitted: list[tuple[str, int]] = []  # (request, tokens the cache served) per admission
+    allocate = bm.allocate
+
+    def recording(group, *args, **kwargs):
+        allocate(group, *args, **kwargs)
+        if group.prompt_logprobs_pending:
+            admitted.append((group.request_id, group.seqs[0].num_computed_tokens))
+
+    try:
+        bm.allocate = recording
+        for seed in range(4):
+            rng = random.Random(seed)
+            requests: dict[str, tuple[list[int], SamplingParams]] = {}
+            for j in range(3):
+                ids = prompt_of_length(tokenizer, rng.randint(24, 110), rng.randint(0, 300))
+                requests[f"{seed}-lp{j}"] = (ids, SamplingParams(temperature=0, max_tokens=rng.randint(1, 4),
+                                                                 ignore_eos=True, prompt_logprobs=rng.randint(0, 4)))
+                if j < 2:  # a plain request with the same prompt: its blocks are cached
+                    requests[f"{seed}-plain{j}"] = (ids, SamplingParams(temperature=0, max_tokens=rng.randint(8, 40),
+                                                                        ignore_eos=True))
+            stagger = {rid: rng.randint(0, 6) for rid in requests}
+            preempted_before = engine.scheduler.num_preemptions["recompute"]
+            admitted.clear()
+            pending, final, step = dict(requests), {}, 0
+            while pending or engine.has_unfinished_requests():
+                for rid in [r for r in pending if stagger[r] <= step]:
+                    engine.add_request(rid, *pending.pop(rid))
+                engine.scheduler.config = dataclasses.replace(config, max_num_batched_tokens=rng.randint(8, 48))
+                for out in engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                bm.check_integrity()
+                step += 1
+            engine.scheduler.config = config
+            assert bm.all_free()
+            seen["preempted"] += engine.scheduler.num_preemptions["recompute"] > preempted_before
+            by_request: dict[str, list[int]] = {}
+            for rid, cached in admitted:
+                by_request.setdefault(rid, []).append(cached)
+            seen["hits after a preemption"] += sum(any(c > 0 for c in v[1:]) for v in by_request.values())
+            lp_ids = [rid for rid in requests if "-lp" in rid]
+            want = one_step.generate([requests[r][0] for r in lp_ids],
+                                     [dataclasses.replace(requests[r][1], max_tokens=1) for r in lp_ids])
+            for rid, w in zip(lp_ids, want):
+                ids, p = requests[rid]
+                got = final[rid].prompt_logprobs
+                seen["chunked"] += final[rid].metrics.num_preemptions == 0 and len(ids) > 48
+                assert got is not None and len(got) == len(ids) and got[0] is None, rid
+                for pos, (g, e) in enumerate(zip(got[1:], w.prompt_logprobs[1:]), start=1):
+                    tok = ids[pos]
+                    assert next(iter(g)) == tok and g[tok].logprob == pytest.approx(e[tok].logprob, abs=1e-4), (rid, pos)
+                    top_g = [t for t, lp in g.items() if lp.rank <= p.prompt_logprobs]
+                    top_e = [t for t, lp in e.items() if lp.rank <= p.prompt_logprobs]
+                    if top_g != top_e:  # only near-ties may swap
+                        assert all(abs(g[t].logprob - e[t].logprob) < 1e-4 for t in set(top_g) & set(top_e)), (rid, pos)
+                        assert len(set(top_g) ^ set(top_e)) <= 2 and all(
+                            abs(lp.logprob - g[top_g[-1]].logprob) < NEAR_TIE for t, lp in g.items() if t in top_g[-1:])
+    finally:
+        bm.allocate = allocate
+        engine.scheduler.config = config
+    assert all(seen.values()), seen

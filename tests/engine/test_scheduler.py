@@ -264,17 +264,18 @@ def test_chunked_prefill_off_waits_for_the_whole_budget():
     assert chunks_of(out, "b") == [(32, True)]
 
 
-def test_chunked_prefill_admits_prompt_logprob_requests_whole_only():
-    """Prompt logprobs need every prompt row in one step: such a request waits for the budget."""
+def test_chunked_prefill_chunks_prompt_logprob_requests_like_any_other():
+    """Prompt logprobs are scored chunk by chunk (engine/prompt_logprobs.py): such a request's
+    prompt takes what is left of the budget beside the decodes, as any prompt does."""
     sched = make_scheduler(block_size=4, max_tokens=32, chunked=True)
     sched.add(group("a", 5, max_tokens=3, t=0))
     fake_step(sched)
     sched.add(group("p", 32, max_tokens=1, t=1, first=100, prompt_logprobs=1))
     out, _ = fake_step(sched)
-    assert chunks_of(out, "p") == []
-    fake_step(sched)  # "a" finishes
+    assert chunks_of(out, "p") == [(28, False)]
+    assert out.num_batched_tokens <= 32
     out, _ = fake_step(sched)
-    assert chunks_of(out, "p") == [(32, True)]
+    assert chunks_of(out, "p") == [(4, True)]
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
