@@ -112,6 +112,14 @@ def unread_stream(url: str, seconds: float = 8.0) -> None:
     sock.close()
 
 
+def echo_logprobs_body(prompt_tokens: int = 500) -> dict:
+    """A prompt near FLAGS' 512-token context (token ids), echoed with 20 logprobs per prompt
+    token: every prompt row scored. It used to be prefilled and scored in one step, past the
+    token budget, with every other stream waiting for it."""
+    return {"model": MODEL, "prompt": [1000 + (7 * i) % 20_000 for i in range(prompt_tokens)], "echo": True,
+            "logprobs": 20, "max_tokens": 1}
+
+
 def cases() -> dict[str, tuple[str, str, object]]:
     """name -> (class, path, body); the body None means the unread stream."""
     comp = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
@@ -124,6 +132,7 @@ def cases() -> dict[str, tuple[str, str, object]]:
         "beams_wider_than_pool": ("KV pressure", "/v1/completions", {**comp, "n": 2, "best_of": 16,
                                                                      "use_beam_search": True, "temperature": 0,
                                                                      "max_tokens": 400}),
+        "echo_logprobs_near_context_limit": ("sizes", "/v1/completions", echo_logprobs_body()),
         "top_p_1e-300": ("numbers", "/v1/completions", {**comp, "top_p": 1e-300}),
         "temperature_1e308": ("numbers", "/v1/completions", {**comp, "temperature": 1e308}),
         "repetition_penalty_1e308": ("numbers", "/v1/completions", {**comp, "repetition_penalty": 1e308}),

@@ -64,6 +64,7 @@ class InputProcessor:
         self.chat_template = chat_template
         self.max_prompt_tokens = max_prompt_tokens
         self._pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="input")
+        self._token_texts: dict[int, str] = {}  # decode_token's memo
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -211,5 +212,16 @@ class InputProcessor:
         return await self._run(lambda: tokenizer.decode(ids))
 
     def decode_token(self, token_id: int) -> str:
-        """One token's text (cheap: used on the event loop for logprobs)."""
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+        """One token's text, decoded once per token id and kept (logprobs name the same tokens
+        over and over: a prompt's 20 alternatives per position). NOTE: at most one entry per id
+        of the vocabulary, so the memo is bounded."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+            self._token_texts[token_id] = text
+        return text
+
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        """`fn()` on a worker thread (a response's work that grows with the request: a long
+        prompt's logprobs), so the event loop keeps serving the other requests meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)

@@ -79,19 +79,25 @@ def _decode_one(ctx: ServerContext):
     return ctx.inputs.decode_token
 
 
-def _logprobs(ctx: ServerContext, output: RequestOutput, entries: list, token_ids: list[int],
-              echo: str | None, offset: int) -> tuple[CompletionLogprobs, int]:
+async def _logprobs(ctx: ServerContext, output: RequestOutput, entries: list, token_ids: list[int],
+                    echo: str | None, offset: int) -> tuple[CompletionLogprobs, int]:
     """Logprobs of `token_ids` with text offsets from `offset`; with `echo` (the prompt's text,
-    on a choice's first chunk) the prompt's tokens come first. Returns the offset after them."""
+    on a choice's first chunk) the prompt's tokens come first. Returns the offset after them.
+    NOTE: the prompt's part (up to max_model_len positions x max_logprobs + 1 alternatives,
+    their texts decoded here, not on the engine thread) is built on a worker thread."""
     decode = _decode_one(ctx)
     if echo is None:
         return completion_logprobs(entries, token_ids, decode, offset)
-    prompt_entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-    head, _ = completion_logprobs(prompt_entries, output.prompt_token_ids, decode, 0)
-    tail, end = completion_logprobs(entries, token_ids, decode, len(echo))
-    for field in CompletionLogprobs.model_fields:
-        getattr(head, field).extend(getattr(tail, field))
-    return head, end
+
+    def with_prompt() -> tuple[CompletionLogprobs, int]:
+        prompt_entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        head, _ = completion_logprobs(prompt_entries, output.prompt_token_ids, decode, 0)
+        tail, end = completion_logprobs(entries, token_ids, decode, len(echo))
+        for field in CompletionLogprobs.model_fields:
+            getattr(head, field).extend(getattr(tail, field))
+        return head, end
+
+    return await ctx.inputs.off_loop(with_prompt)
 
 
 async def _full(ctx: ServerContext, req: CompletionRequest, params: SamplingParams, request_id: str,
@@ -107,13 +113,16 @@ async def _full(ctx: ServerContext, req: CompletionRequest, params: SamplingPara
                 echo = echo_texts[p] if echo_texts is not None else None
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs, _ = _logprobs(ctx, output, choice.logprobs or [], choice.token_ids, echo, 0)
+                    logprobs, _ = await _logprobs(ctx, output, choice.logprobs or [], choice.token_ids, echo, 0)
                 choices.append(CompletionChoice(index=p * params.n + choice.index, text=(echo or "") + choice.text,
                                                 logprobs=logprobs, finish_reason=choice.finish_reason,
                                                 stop_reason=choice.stop_reason))
         choices.sort(key=lambda c: c.index)
         usage = UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens)
         response = CompletionResponse(id=request_id, created=now(), model=model, choices=choices, usage=usage)
+        if echo_texts is not None and params.logprobs is not None:
+            # NOTE: with the prompt's logprobs the body grows with the prompt: encoded off the loop
+            return await ctx.inputs.off_loop(lambda: JSONResponse(response.model_dump()))
         return JSONResponse(response.model_dump())
     except asyncio.CancelledError:
         raise
@@ -143,8 +152,8 @@ def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingParams, 
                 echo = echo_texts[p] if echo_texts is not None and delta.first else None
                 text, logprobs = (echo or "") + delta.text, None
                 if params.logprobs is not None:
-                    logprobs, offsets[delta.index] = _logprobs(ctx, output, delta.logprobs or [], delta.token_ids,
-                                                               echo, offsets.get(delta.index, 0))
+                    logprobs, offsets[delta.index] = await _logprobs(ctx, output, delta.logprobs or [],
+                                                                     delta.token_ids, echo, offsets.get(delta.index, 0))
                 choices.append(CompletionChoice(index=delta.index, text=text, logprobs=logprobs,
                                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
             if choices:

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from benchmarks.abuse import FLAGS, MODEL, Canary, health_poller, send, unread_stream
+from benchmarks.abuse import FLAGS, MODEL, Canary, echo_logprobs_body, health_poller, send, unread_stream
 from tests.server.conftest import start_server
 from tests.server.support import wait_pool_free
 OPENAI_FINISH = {"stop", "length", "tool_calls", None}
@@ -105,6 +105,21 @@ def test_beam_search_that_fits_runs_beside_the_canary(abuse):
             "temperature": 0, "max_tokens": 24, "length_penalty": 1e308}
     resp = check(abuse, lambda: send(server.url, "/v1/completions", body))
     assert len(resp.json()["choices"]) == 2
+
+
+def test_echo_logprobs_on_a_prompt_near_the_context_limit_is_chunked_beside_the_canary(abuse):
+    """echo + 20 logprobs on a 500-token prompt (context 512, budget 128 tokens a step): its
+    prompt is scored chunk by chunk, so the canary keeps its pace, and the answer has an entry
+    for every prompt token (the first null)."""
+    server, _ = abuse
+    body = echo_logprobs_body()
+    resp = check(abuse, lambda: send(server.url, "/v1/completions", body), expect=(200,))
+    logprobs = resp.json()["choices"][0]["logprobs"]
+    n = len(body["prompt"])
+    assert len(logprobs["token_logprobs"]) == n + 1 and logprobs["token_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in logprobs["token_logprobs"][1:])
+    assert all(len(top) >= 15 for top in logprobs["top_logprobs"][1:n])  # (texts as keys: a few may coincide)
+    wait_pool_free_but_canary(server.url)
 
 
 def wait_pool_free_but_canary(url: str, timeout: float = 30.0) -> None:
