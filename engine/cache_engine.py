@@ -11,9 +11,12 @@ import logging
 import torch
 
 from cuda_ext import ops
-from engine.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.pool_sizing import HEADROOM, KV_SHARE, MemoryReading, human_bytes, read_memory, size_pools
 
 logger = logging.getLogger(__name__)
+
+GPU_SWAP_DEFAULT = 1024**3
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, tp_size: int = 1) -> int:
@@ -23,24 +26,42 @@ def bytes_per_block(model: ModelConfig, block_size: int, tp_size: int = 1) -> in
 
 
 def num_blocks_from_budget(
-    model: ModelConfig, cache: CacheConfig, device: torch.device, weights_bytes: int = 0, tp_size: int = 1
+    model: ModelConfig, cache: CacheConfig, device: torch.device, weights_bytes: int = 0, tp_size: int = 1,
+    scheduler: SchedulerConfig | None = None, memory: MemoryReading | None = None,
 ) -> tuple[int, int]:
-    """(device blocks, CPU swap blocks) that the memory budget allows."""
+    """(device blocks, CPU swap blocks) that the memory budget allows: on a GPU the device pool
+    from gpu_memory_utilization, on a CPU both pools by engine/pool_sizing.py's rule unless the
+    flags give them. Call it once the weights are loaded (`memory`: read now, unless given)."""
     per_block = bytes_per_block(model, cache.block_size, tp_size)
+    max_num_seqs = scheduler.max_num_seqs if scheduler is not None else 1
+    swap = scheduler is None or scheduler.preemption_mode == "swap"
+    memory = memory or read_memory()
+    kv_bytes, kv_from = cache.kv_cache_memory, "--kv-cache-memory"
     if cache.num_gpu_blocks_override is not None:
-        num_device = cache.num_gpu_blocks_override
+        kv_bytes, kv_from = cache.num_gpu_blocks_override * per_block, "num_gpu_blocks_override"
     elif device.type == "cuda":
+        kv_from = f"--gpu-memory-utilization {cache.gpu_memory_utilization}"
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         used_by_others = total - free
         budget = total * cache.gpu_memory_utilization - used_by_others - 512 * 1024**2  # activations
-        num_device = int(budget // per_block)
-    else:
-        num_device = int((cache.kv_cache_memory or 1024**3) // per_block)
-    num_cpu = int(cache.swap_space // per_block)
-    if num_device < 1:
+        kv_bytes = max(0, int(budget // per_block)) * per_block
+    swap_bytes, swap_from = cache.swap_space, "--swap-space"
+    if swap_bytes is None and device.type == "cuda":
+        swap_from = "the GPU default (1 GiB at most)"
+        # NOTE: a GPU's swap pool is pinned host memory, so the CPU rule (a share of its KV pool)
+        # would pin tens of GB; it keeps the fixed default it had (not measured on a GPU).
+        swap_bytes = min(GPU_SWAP_DEFAULT, int(KV_SHARE * max(0, memory.available - HEADROOM))) if swap else 0
+    sizes = size_pools(bytes_per_block=per_block, block_size=cache.block_size, max_model_len=model.max_model_len,
+                       max_num_seqs=max_num_seqs, available=memory.available, kv_cache_memory=kv_bytes,
+                       swap_space=swap_bytes, swap=swap, ranks=tp_size if device.type == "cpu" else 1,
+                       memory=memory.describe(), kv_from=kv_from, swap_from=swap_from)
+    if sizes.kv_blocks < 1:
         raise ValueError("the KV cache memory budget is too small for a single block")
-    return num_device, num_cpu
+    logger.info("memory: weights %s, KV pool %s (%d blocks), swap pool %s (%d blocks); %s",
+                human_bytes(weights_bytes), human_bytes(sizes.kv_bytes), sizes.kv_blocks, human_bytes(sizes.swap_bytes),
+                sizes.swap_blocks, sizes.why)
+    return sizes.kv_blocks, sizes.swap_blocks
 
 
 class CacheEngine:

@@ -64,9 +64,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int
-    kv_cache_memory: int | None  # bytes for the device pool on CPU serving
+    kv_cache_memory: int | None  # bytes for the device pool on CPU serving (None: engine/pool_sizing.py's rule)
     gpu_memory_utilization: float  # fraction of GPU memory on CUDA
-    swap_space: int  # bytes of CPU swap pool
+    swap_space: int | None  # bytes of CPU swap pool (None: engine/pool_sizing.py's rule)
     enable_prefix_caching: bool
     kv_allocation: str  # "paged" (on demand) | "reserve" (max_model_len per sequence, baseline)
     num_gpu_blocks_override: int | None = None  # tests force a small pool
@@ -159,9 +159,9 @@ class EngineArgs:
     load_format: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
-    kv_cache_memory: int | str | None = "1GiB"
+    kv_cache_memory: int | str | None = None  # None: sized from the model and the machine (engine/pool_sizing.py)
     gpu_memory_utilization: float = 0.9
-    swap_space: float = 1.0  # GiB
+    swap_space: float | None = None  # GiB; None: sized like the KV pool (engine/pool_sizing.py)
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     kv_allocation: str = "paged"
@@ -196,6 +196,8 @@ class EngineArgs:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if self.swap_space is not None and not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space}")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
 
@@ -254,7 +256,7 @@ class EngineArgs:
             block_size=self.block_size,
             kv_cache_memory=parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            swap_space=int(self.swap_space * 1024**3),
+            swap_space=int(self.swap_space * 1024**3) if self.swap_space is not None else None,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_allocation=self.kv_allocation,
             num_gpu_blocks_override=self.num_gpu_blocks_override,

@@ -90,7 +90,7 @@ class LocalExecutor(Executor):
         self.weights_bytes = self.runner.weights_bytes
 
     def num_blocks(self) -> tuple[int, int]:
-        return self.runner.num_blocks(self.config.cache)
+        return self.runner.num_blocks(self.config.cache, self.config.scheduler)
 
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> CacheEngine:
         return self.runner.init_cache(num_device_blocks, num_cpu_blocks)
@@ -192,7 +192,7 @@ class MultiProcessExecutor(Executor):
 
     # ------------------------------------------------------------------ the executor interface
     def num_blocks(self) -> tuple[int, int]:
-        return self._call("num_blocks", self.config.cache)
+        return self._call("num_blocks", self.config.cache, self.config.scheduler)
 
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> CacheEngine:
         return self._call("init_cache", num_device_blocks, num_cpu_blocks)

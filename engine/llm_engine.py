@@ -82,13 +82,14 @@ class LLMEngine:
         self.last_step_empty = False
         self.newly_scheduled: list[str] = []
         logger.info(
-            "KV cache: %d device blocks of %d tokens (%.2f GiB, %s), %d swap blocks; "
+            "KV cache: %d device blocks of %d tokens (%.2f GiB, %s), %d swap blocks (%.2f GiB); "
             "up to %d concurrent requests of max_model_len=%d; engine ready in %.1f s",
             num_device,
             cc.block_size,
             num_device * self.cache.bytes_per_block / 1024**3,
             cc.kv_allocation,
             num_cpu,
+            num_cpu * self.cache.bytes_per_block / 1024**3,
             num_device // max_len_blocks,
             mc.max_model_len,
             time.perf_counter() - t0,

@@ -24,7 +24,7 @@ from cuda_ext import ops
 from engine import parallel
 from engine.attention_backend import TorchPagedBackend
 from engine.cache_engine import CacheEngine, num_blocks_from_budget
-from engine.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.models import linear_kernel
 from engine.models.decoder_stack import use_compiled_stack
 from engine.models.layers import (
@@ -170,9 +170,11 @@ class ModelRunner:
         self.cache: CacheEngine | None = None
         self.attn_backend = TorchPagedBackend(block_size, device)
 
-    def num_blocks(self, cache_config: CacheConfig) -> tuple[int, int]:
-        """(device blocks, CPU swap blocks) that this rank's memory budget allows for its KV heads."""
-        return num_blocks_from_budget(self.config, cache_config, self.device, self.weights_bytes, self.tp_size)
+    def num_blocks(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig | None = None) -> tuple[int, int]:
+        """(device blocks, CPU swap blocks) that this rank's memory budget allows for its KV heads
+        (the scheduler's max_num_seqs and preemption mode bound what the default pools need)."""
+        return num_blocks_from_budget(self.config, cache_config, self.device, self.weights_bytes, self.tp_size,
+                                      scheduler_config)
 
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> CacheEngine:
         """Allocate this rank's KV pools (once, at start-up)."""

@@ -122,9 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     eng.add_argument("--max-model-len", type=int, default=None)
     eng.add_argument("--block-size", type=int, default=16)
-    eng.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size on CPU, e.g. 2GiB")
+    eng.add_argument("--kv-cache-memory", default=None,
+                     help="KV pool size on CPU, e.g. 2GiB (default: max-num-seqs sequences of max-model-len "
+                          "tokens, at most a quarter of the memory available after the weights; docs/using.md)")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    eng.add_argument("--swap-space", type=float, default=1.0, help="CPU swap pool, GiB")
+    eng.add_argument("--swap-space", type=float, default=None,
+                     help="CPU swap pool, GiB (default: a quarter of the KV pool on a CPU, none with "
+                          "--preemption-mode recompute, 1 GiB with a GPU; docs/using.md)")
     eng.add_argument("--num-gpu-blocks-override", type=int, default=None, help=argparse.SUPPRESS)
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     eng.add_argument("--kv-allocation", default="paged", choices=["paged", "reserve"])

@@ -14,10 +14,13 @@ oneDNN over prepacked weights ran the SmolLM2-135M shapes 1.2-1.5x faster than M
 and 2-4x at 2-16 rows, while MKL on Intel CPUs is often on par; on a 2-core AVX2 EPYC (Zen 3)
 the panel kernel ran 1.4x oneDNN at 16 rows and 1.1-1.3x at 32-256 (all layers, weights cold),
 and on AVX-512 CPUs oneDNN's wider kernels should win. So ``auto`` (the default) times them on
-this model's own weight shapes at a decode-sized and a prefill-sized batch and keeps the
-fastest, logging the rates; ``torch``, ``onednn`` and ``panels`` force one. All compute the
-same product in fp32 (they differ only in summation order, ~1e-6 relative), so greedy output
-still matches HF token for token either way.
+this model's own weight shapes at a decode-sized and a prefill-sized batch (`KernelChooser`:
+interleaved repetitions, medians) and keeps the default, oneDNN (`AUTO_PREFERENCE`), unless
+another is clearly faster; the choice is recorded per CPU, shapes, dtype and threads beside the
+other start-up caches, so later starts reuse it without timing anything, and the log says which
+it was and the rates. ``torch``, ``onednn`` and ``panels`` force one. All compute the same
+product in fp32 (they differ only in summation order, ~1e-6 relative), so greedy output still
+matches HF token for token either way.
 
 ``--dtype auto`` on a CPU is chosen here too (`choose_cpu_dtype`): bf16 where the CPU multiplies
 it natively and it is clearly faster on the model's shapes, fp32 otherwise.
@@ -28,15 +31,20 @@ for an LM head tied to the embedding, whose table the embedding lookup still rea
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cuda_ext import ops
+from engine.models.kernel_chooser import DEFAULT_REPEATS, KernelChooser, Workload, cpu_identity
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +53,24 @@ KERNELS = ("auto", "torch", "onednn", "panels")
 # kernels differ most (and what the bf16 probe uses).
 PROBE_ROWS = 16
 # The kernel choice also times a prefill-sized product: a kernel that wins decodes by a little
-# must not lose prompts by a lot. Each kernel scores its time over the best at both sizes.
+# must not lose prompts by a lot. A challenger's speedup is the geometric mean over both sizes.
 PREFILL_PROBE_ROWS = 128
+# `auto`'s incumbent is the first of these that runs here; another replaces it only when clearly
+# faster (kernel_chooser.DEFAULT_MARGIN). NOTE: oneDNN first: it runs fp32 and bf16 and is
+# maintained by the CPU vendors; our panels next (fp32, AVX2); torch last, as it packs nothing and
+# the decoder layers' one compiled call (ops.decoder_stack) needs a packed kernel, a gain the
+# timing does not see. Quantized kernels join this order when they join the candidates.
+AUTO_PREFERENCE = ("onednn", "panels", "torch")
+# NOTE: a timed product reads a weight copy not read since it was made, as a forward pass reads
+# each layer's weight once per step (from DRAM: the model is larger than the cache). Up to this
+# many bytes of copies per shape (2x the 32 MiB L3 of the EPYCs measured on), at most one per
+# layer of that shape and one per repetition; a larger weight is its only copy.
+COLD_BYTES = 64 * 2**20
 # `--dtype auto` on a CPU takes bf16 only when it is clearly faster (`choose_cpu_dtype`): a near
 # tie keeps fp32's precision, and a wide margin keeps a noisy probe from choosing differently in
 # two processes of one machine (the tiny test models come out at ~1.2x where SmolLM2 is ~1.8x).
 BF16_MIN_SPEEDUP = 1.5
-_choices: dict[tuple, tuple[str, str]] = {}  # per process: probed shapes -> (kernel, why)
+_choices: dict[tuple, tuple[str, str]] = {}  # per process: the dtype probe's shapes -> (dtype, why)
 
 
 @dataclass(frozen=True)
@@ -140,18 +159,71 @@ def choose(model: nn.Module, setting: str, device: torch.device, dtype: torch.dt
         if not panels_supported(device, dtype):
             raise ValueError("linear_kernel 'panels' needs float32 on a CPU with AVX2 and FMA (and the compiled ops)")
         return "panels", "asked for"
-    candidates = {"torch": (dtype, _torch)}
+    candidates = {"torch": _torch}
     if onednn_supported(device, dtype):
-        candidates["onednn"] = (dtype, _onednn)
+        candidates["onednn"] = _onednn
     if panels_supported(device, dtype):
-        candidates["panels"] = (dtype, _panels)
+        candidates["panels"] = _panels
     if len(candidates) == 1:
         return "torch", f"no packed linear kernel runs for {dtype} on {device.type}"
-    shapes = weight_shapes(model)
-    key = (tuple(shapes), dtype, torch.get_num_threads(), tuple(candidates))
-    if key not in _choices:
-        _choices[key] = _probe(shapes, candidates)
-    return _choices[key]
+    decode, prefill = shape_counts(model), shape_counts(model, lm_head=False)
+    chooser = kernel_chooser()
+    with torch.inference_mode():
+        choice = chooser.choose(choice_key(decode, prefill, dtype, candidates), candidates,
+                                probe_workloads(decode, prefill, dtype), AUTO_PREFERENCE)
+    return choice.name, choice.describe(chooser.margin)
+
+
+def kernel_chooser() -> KernelChooser:
+    """The chooser of `auto`, keeping its choices under the cache directory (PAGED_SERVE_CACHE,
+    else ~/.cache/paged-serve) in kernel_choices/."""
+    from engine.models.loader import cache_dir
+
+    return KernelChooser("linear", cache_dir() / "kernel_choices")
+
+
+def choice_key(decode: dict[tuple[int, int], int], prefill: dict[tuple[int, int], int], dtype: torch.dtype,
+               candidates) -> dict:
+    """What decides `auto`'s answer besides the candidates: the CPU (model and ISA flags), torch
+    (its oneDNN), the compiled ops' build (the panels kernel, where it runs), the threads, the
+    dtype, the shapes timed at each size with their layer counts, and the probe's sizes."""
+    def shapes(counts):
+        return [[n, k, c] for (n, k), c in sorted(counts.items())]
+
+    key = {"cpu": cpu_identity(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "dtype": str(dtype).removeprefix("torch."), "rows": [PROBE_ROWS, PREFILL_PROBE_ROWS],
+           "shapes": [shapes(decode), shapes(prefill)], "cold_bytes": COLD_BYTES}
+    if "panels" in candidates:
+        from cuda_ext import build
+
+        # NOTE: only where panels runs: this digest changes with any edit of the compiled sources.
+        key["ops_build"] = build.source_hash("cpu")
+    return key
+
+
+def probe_workloads(decode: dict[tuple[int, int], int], prefill: dict[tuple[int, int], int],
+                    dtype: torch.dtype) -> list[Workload]:
+    """One product per shape of `decode` at `PROBE_ROWS` rows and of `prefill` at
+    `PREFILL_PROBE_ROWS`, each weighted by how many layers have that shape (a step's linear
+    layers, not one layer per shape).
+
+    NOTE: a prefill step runs the LM head only on its prompts' last tokens, so the prefill size
+    leaves it out (timed at 128 rows it was ~90% of the probe's time and ~20% of its score)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    workloads = []
+    for rows, counts in ((PROBE_ROWS, decode), (PREFILL_PROBE_ROWS, prefill)):
+        for (n, k), count in sorted(counts.items()):
+            copies = max(1, min(count, DEFAULT_REPEATS + 1, COLD_BYTES // (n * k * elem)))
+            workloads.append(Workload(f"{rows} rows", partial(_probe_inputs, n, k, rows, copies, dtype),
+                                      weight=count, flops=2.0 * rows * n * k))
+    return workloads
+
+
+def _probe_inputs(n: int, k: int, rows: int, copies: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+    # NOTE: its own generator: probing must not move the global RNG that unseeded requests use.
+    gen = torch.Generator().manual_seed(n * 7919 + k)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    return [w] + [w.clone() for _ in range(copies - 1)], torch.randn(rows, k, generator=gen).to(dtype)
 
 
 def pack(model: nn.Module, kernel: str = "onednn") -> int:
@@ -175,6 +247,13 @@ def pack(model: nn.Module, kernel: str = "onednn") -> int:
 def _is_tied(model: nn.Module, layer: nn.Module) -> bool:
     """Whether `layer.weight` is also some other module's parameter (a tied LM head)."""
     return any(other is not layer and getattr(other, "weight", None) is layer.weight for other in model.modules())
+
+
+def shape_counts(model: nn.Module, lm_head: bool = True) -> dict[tuple[int, int], int]:
+    """How many linear layers have each (out, in) shape (only the shapes are read); without
+    the LM head (the layer with `compute_logits`) unless `lm_head`."""
+    return dict(Counter(tuple(m.weight.shape) for m in linear_layers(model)
+                        if lm_head or not hasattr(m, "compute_logits")))
 
 
 def weight_shapes(model: nn.Module) -> list[tuple[int, int]]:
@@ -213,22 +292,30 @@ def choose_cpu_dtype(model: nn.Module) -> tuple[torch.dtype, str]:
     return (torch.bfloat16 if name == "bf16" else torch.float32), why
 
 
-def _torch(w: torch.Tensor, x: torch.Tensor):
-    return lambda: F.linear(x, w)
+def _cycling(products: list) -> Callable[[], torch.Tensor]:
+    """A run that calls the next of `products` each time (a fresh weight copy per timed run)."""
+    turns = itertools.cycle(products)
+    return lambda: next(turns)()
 
 
-def _onednn(w: torch.Tensor, x: torch.Tensor):
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def _torch(inputs):
+    weights, x = inputs
+    return _cycling([partial(F.linear, x, w) for w in weights])
 
 
-def _panels(w: torch.Tensor, x: torch.Tensor):
-    packed = ops.linear_pack(w)
-    return lambda: ops.linear_panels(x, packed, w.shape[0])
+def _onednn(inputs):
+    weights, x = inputs
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    return _cycling([partial(torch.ops.mkldnn._linear_pointwise, x, p, None, "none", [], "") for p in packed])
+
+
+def _panels(inputs):
+    weights, x = inputs
+    return _cycling([partial(ops.linear_panels, x, ops.linear_pack(w), w.shape[0]) for w in weights])
 
 
 def _best_times(shapes: list[tuple[int, int]], variants: dict, repeats: int = 3, rows: int = PROBE_ROWS) -> list[float]:
-    """Per variant (name -> (dtype, make(w, x) -> run)), the summed best time (of `repeats`) of
+    """Per variant (name -> (dtype, make(([w], x)) -> run)), the summed best time (of `repeats`) of
     one product per shape at `rows` rows, the variants interleaved."""
     best = [0.0] * len(variants)
     # NOTE: its own generator: probing must not move the global RNG that unseeded requests use.
@@ -236,7 +323,7 @@ def _best_times(shapes: list[tuple[int, int]], variants: dict, repeats: int = 3,
     with torch.inference_mode():
         for n, k in shapes:
             w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
-            runs = [make(w.to(dtype), x.to(dtype)) for dtype, make in variants.values()]
+            runs = [make(([w.to(dtype)], x.to(dtype))) for dtype, make in variants.values()]
             times: list[list[float]] = [[] for _ in runs]
             for _ in range(repeats):
                 for i, run in enumerate(runs):
@@ -246,19 +333,6 @@ def _best_times(shapes: list[tuple[int, int]], variants: dict, repeats: int = 3,
             for i in range(len(runs)):
                 best[i] += min(times[i])
     return best
-
-
-def _probe(shapes: list[tuple[int, int]], candidates: dict) -> tuple[str, str]:
-    """Time the candidate kernels on each shape (interleaved, best of three) at a decode- and a
-    prefill-sized batch; pick the lowest sum of (time / the best time) over the two."""
-    names = list(candidates)
-    decode = _best_times(shapes, candidates, rows=PROBE_ROWS)
-    prefill = _best_times(shapes, candidates, rows=PREFILL_PROBE_ROWS)
-    score = [d / max(min(decode), 1e-12) + p / max(min(prefill), 1e-12) for d, p in zip(decode, prefill)]
-    kernel = names[score.index(min(score))]
-    rates = "; ".join(f"{rows} rows: {_rates(shapes, dict(zip(names, times)), rows)}"
-                      for rows, times in ((PROBE_ROWS, decode), (PREFILL_PROBE_ROWS, prefill)))
-    return kernel, f"fastest on this model's shapes ({rates})"
 
 
 def _rates(shapes: list[tuple[int, int]], seconds: dict[str, float], rows: int = PROBE_ROWS) -> str:

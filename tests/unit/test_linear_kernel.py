@@ -1,9 +1,12 @@
 """The linear layers' kernel choice (engine/models/linear_kernel.py): oneDNN over packed weights
 computes what F.linear computes, packing releases the dense copies it replaces (not a tied
-LM head's), the settings are validated, and `--dtype auto` on a CPU takes bf16 only where it is
-native and clearly faster."""
+LM head's), the settings are validated, `auto` measures the kernels on the model's shapes once
+and then reuses its recorded choice (the rule itself: test_kernel_chooser.py), and `--dtype
+auto` on a CPU takes bf16 only where it is native and clearly faster."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models import linear_kernel
+from engine.models.kernel_chooser import KernelChooser
 from engine.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -120,25 +124,69 @@ def test_settings_are_validated():
     assert linear_kernel.choose(model, "auto", torch.device("cuda"), torch.float32)[0] == "torch"
 
 
+@pytest.fixture
+def choice_cache(tmp_path, monkeypatch):
+    """`auto` keeps its choices under a fresh cache directory (PAGED_SERVE_CACHE)."""
+    monkeypatch.setenv("PAGED_SERVE_CACHE", str(tmp_path))
+    return tmp_path / "kernel_choices"
+
+
+class CountingClock:
+    def __init__(self):
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return time.perf_counter()
+
+
 @needs_onednn
 @needs_panels
-def test_auto_times_every_kernel_at_decode_and_prefill_sizes_and_says_so():
-    linear_kernel._choices.clear()
+def test_auto_times_every_kernel_at_decode_and_prefill_sizes_then_reuses_its_choice(choice_cache, monkeypatch):
+    """The first start measures (and says so, with the rates), the next reuses the recorded
+    choice without timing anything (the clock is never read)."""
+    clock = CountingClock()
+    make = linear_kernel.kernel_chooser
+    monkeypatch.setattr(linear_kernel, "kernel_chooser", lambda: KernelChooser("linear", make().cache_dir, clock=clock))
     kernel, why = linear_kernel.choose(Tiny(False), "auto", CPU, torch.float32)
-    assert kernel in ("torch", "onednn", "panels")
+    assert kernel in ("torch", "onednn", "panels") and why.startswith("measured: ")
     assert f"{linear_kernel.PROBE_ROWS} rows:" in why and f"{linear_kernel.PREFILL_PROBE_ROWS} rows:" in why
     assert all(name in why for name in ("torch", "onednn", "panels")) and "GFLOP/s" in why
+    # 5 shapes at 16 rows, 4 at 128 (no LM head), 9 timed runs of each of 3 kernels, 2 reads each
+    assert clock.reads == (5 + 4) * 9 * 3 * 2
+    assert len(list(choice_cache.glob("linear-*.json"))) == 1
+
+    again, why_again = linear_kernel.choose(Tiny(False), "auto", CPU, torch.float32)
+    assert again == kernel and why_again.startswith("reused the choice measured") and clock.reads == 486
+    # another model (other shapes) measures again
+    linear_kernel.choose(Tiny(True).head, "auto", CPU, torch.float32)
+    assert clock.reads > 486 and len(list(choice_cache.glob("linear-*.json"))) == 2
 
 
-@needs_panels
-def test_auto_picks_the_lowest_score_over_both_sizes(monkeypatch):
-    """A kernel slightly slower at decode sizes but much faster at prefill sizes wins."""
-    times = {linear_kernel.PROBE_ROWS: [3.0, 1.0, 1.1], linear_kernel.PREFILL_PROBE_ROWS: [3.0, 2.0, 1.0]}
-    monkeypatch.setattr(linear_kernel, "_best_times", lambda shapes, variants, repeats=3, rows=16: times[rows])
-    names = {"torch": None, "onednn": None, "panels": None}
-    assert linear_kernel._probe([(8, 8)], names)[0] == "panels"
-    times[linear_kernel.PREFILL_PROBE_ROWS] = [3.0, 1.0, 1.05]
-    assert linear_kernel._probe([(8, 8)], names)[0] == "onednn"
+def test_the_key_holds_the_cpu_dtype_threads_and_shapes_and_the_head_is_left_out_of_prefill():
+    model = meta_model(None)
+    decode, prefill = linear_kernel.shape_counts(model), linear_kernel.shape_counts(model, lm_head=False)
+    assert decode == {(15 * 64, 576): 30, (576, 576): 30, (2 * 1536, 576): 30, (576, 1536): 30, (49152, 576): 1}
+    assert prefill == {s: c for s, c in decode.items() if s != (49152, 576)}
+    key = linear_kernel.choice_key(decode, prefill, torch.float32, {"torch": None, "onednn": None})
+    assert key["cpu"]["model"] and key["cpu"]["isa"] is not None and key["dtype"] == "float32"
+    assert key["threads"] == torch.get_num_threads() and [49152, 576, 1] in key["shapes"][0]
+    assert "ops_build" not in key  # only where panels is a candidate
+    assert linear_kernel.choice_key(decode, prefill, torch.bfloat16, {"torch": None})["dtype"] == "bfloat16"
+
+
+def test_the_probe_weights_each_shape_by_its_layers_and_rotates_bounded_weight_copies():
+    decode, prefill = {(576, 576): 30, (49152, 576): 1}, {(576, 576): 30}
+    loads = linear_kernel.probe_workloads(decode, prefill, torch.float32)
+    assert [(w.group, w.weight) for w in loads] == [("16 rows", 30), ("16 rows", 1), ("128 rows", 30)]
+    assert loads[0].flops == 2 * 16 * 576 * 576
+    weights, x = loads[0].make_inputs()
+    assert len(weights) == 10 and x.shape == (16, 576)  # a fresh copy for the warm-up and each of 9 runs
+    assert len(loads[1].make_inputs()[0]) == 1  # 113 MB: already more than any cache, one copy
+    big = linear_kernel.probe_workloads({(4096, 4096): 32}, {}, torch.float32)[0]
+    assert len(big.make_inputs()[0]) == 1  # 64 MiB each: COLD_BYTES bounds the copies
+    run = linear_kernel._torch(([torch.eye(4), 2 * torch.eye(4)], torch.ones(1, 4)))
+    assert [run().sum().item() for _ in range(3)] == [4.0, 8.0, 4.0]  # the copies in turn
 
 
 def test_engine_args_reject_an_unknown_kernel():
@@ -149,8 +197,7 @@ def test_engine_args_reject_an_unknown_kernel():
 
 
 @needs_onednn
-def test_probing_leaves_the_global_rng_alone():
-    linear_kernel._choices.clear()
+def test_probing_leaves_the_global_rng_alone(choice_cache):
     model = Tiny(False)
     torch.manual_seed(5)
     want = torch.rand(3)
