@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import logging
 
+import math
+import mmap
+
 import torch
 
 from cuda_ext import ops
@@ -72,9 +75,11 @@ class CacheEngine:
         shape = (model.num_kv_heads // tp_size, block_size, model.head_size)
         L = model.num_layers
         # One allocation per pool; per-layer K and V are contiguous views of it.
-        self.device_kv = torch.zeros((2, L, num_device_blocks) + shape, dtype=model.dtype, device=device)
+        self._maps: list[mmap.mmap] = []  # the CPU pools' memory (see _zeros)
+        self.device_kv = self._zeros((2, L, num_device_blocks) + shape, model.dtype, device)
         pin = device.type == "cuda"
-        self.cpu_kv = torch.zeros((2, L, max(num_cpu_blocks, 0)) + shape, dtype=model.dtype, pin_memory=pin)
+        self.cpu_kv = (torch.zeros((2, L, max(num_cpu_blocks, 0)) + shape, dtype=model.dtype, pin_memory=True) if pin
+                       else self._zeros((2, L, max(num_cpu_blocks, 0)) + shape, model.dtype, torch.device("cpu")))
         self.kv_caches = [(self.device_kv[0, i], self.device_kv[1, i]) for i in range(L)]
         self.cpu_caches = [(self.cpu_kv[0, i], self.cpu_kv[1, i]) for i in range(L)]
         self.bytes_per_block = bytes_per_block(model, block_size, tp_size)
@@ -84,6 +89,20 @@ class CacheEngine:
         self._key_caches = [k for k, _ in self.kv_caches]
         self._value_caches = [v for _, v in self.kv_caches]
         self._copy_table = ops.copy_blocks_table(self._key_caches, self._value_caches)
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zero tensor; on a CPU, over an anonymous memory map. NOTE: the kernel hands out
+        an anonymous map's pages zeroed and only once written, so a pool sized for many streams
+        holds memory (RSS) only for the blocks that have been used; torch.zeros would write
+        every page at start-up (a 1 GiB pool was 1 GiB of RSS before the first request)."""
+        if device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.zeros(shape, dtype=dtype)
+        mem = mmap.mmap(-1, nbytes)
+        self._maps.append(mem)  # NOTE: kept with the engine: the tensors below are views of it
+        return torch.frombuffer(mem, dtype=dtype).view(shape)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         self._swap(self.kv_caches, self.cpu_caches, pairs)
