@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cuda_ext import ops
+from engine.models.quant_linear import QUANT_MODULES
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,10 @@ def reduced_precision_is_slow(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def linear_layers(model: nn.Module) -> list[nn.Module]:
-    """The modules whose `weight` multiplies activations (they carry a `packed` attribute)."""
-    return [m for m in model.modules() if hasattr(m, "packed") and isinstance(getattr(m, "weight", None), torch.Tensor)]
+    """The modules whose dense `weight` multiplies activations (they carry a `packed` attribute);
+    layers over quantized weights (engine/models/quant_linear.py) have their own kernels."""
+    return [m for m in model.modules() if hasattr(m, "packed") and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and not isinstance(m, QUANT_MODULES)]
 
 
 def panels_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -148,6 +151,8 @@ def choose(model: nn.Module, setting: str, device: torch.device, dtype: torch.dt
     if len(candidates) == 1:
         return "torch", f"no packed linear kernel runs for {dtype} on {device.type}"
     shapes = weight_shapes(model)
+    if not shapes:
+        return "torch", "unused: every linear layer is quantized, with kernels of its own"
     key = (tuple(shapes), dtype, torch.get_num_threads(), tuple(candidates))
     if key not in _choices:
         _choices[key] = _probe(shapes, candidates)
