@@ -157,6 +157,24 @@ def test_default_gguf_is_served_as_stored_with_the_checkpoints_weights(make_llm,
     assert "quantized linear layers" in decoder_stack.why_not(model, torch.device("cpu"), 1)
 
 
+def test_without_the_kernels_a_gguf_is_served_dense_with_the_checkpoints_weights(model_dir, monkeypatch, caplog):
+    """Where the kernels do not run (a GPU, a CPU they are not built for), every tensor is
+    dequantized (one log line says why) to the weights of the transformers conversion."""
+    monkeypatch.setattr(qops, "quant_available", lambda: False)
+    with caplog.at_level("INFO"):
+        model = _runner(None).model
+    assert "the quantized kernels are not built for this CPU: 211 tensors (Q4_1 x 210, Q8_0 x 1) served dense " \
+           "in float32" in caplog.text
+    assert not [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding, QuantLMHead))]
+    ref = load_file(str(Path(model_dir) / "model.safetensors"))
+    layer = model.model.layers[7]
+    assert torch.equal(layer.self_attn.qkv_proj.weight,
+                       torch.cat([ref[f"model.layers.7.self_attn.{x}_proj.weight"] for x in "qkv"]))
+    assert torch.equal(layer.mlp.down_proj.weight, ref["model.layers.7.mlp.down_proj.weight"])
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens.weight, ref["model.embed_tokens.weight"])
+
+
 def test_quantized_greedy_output_matches_the_dequantized_models_first_tokens(make_llm):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "The three primary colors are",
                "Water boils at"]
@@ -224,7 +242,7 @@ def test_prefix_caching_and_preemption_run_on_quantized_weights(make_llm):
 # ------------------------------------------------------------------------- tiny GGUFs
 
 
-def _runner(model: str, **kwargs) -> ModelRunner:
+def _runner(model: str | None, **kwargs) -> ModelRunner:
     config = EngineArgs(model=model, dtype="float32", max_model_len=256, linear_kernel="torch",
                         **kwargs).create_engine_config()
     runner = ModelRunner(config.model, torch.device("cpu"), 16)
