@@ -9,10 +9,14 @@ tested before the C++ kernels exist:
   K, number of segments, then per segment its type index in QUANT_TYPES and its rows) followed by
   every segment's GGUF blocks exactly as given;
 * ``quant_matmul`` dequantizes the weight (torch ports of ``gguf.quants``' dequantizers, equal to
-  them bit for bit) and, like llama.cpp's CPU kernels, multiplies activations rounded to 8 bits (per 32 values for Q4_0 / Q4_1 / Q8_0, per 256 for the K-quants,
-  scale = max |x| / 127). The compiled kernels' activation rounding may differ in detail: the
-  quality bounds in tests/engine/test_gguf_quant.py are to be re-measured on them.
-  NOTE: for the tests' speed it keeps each weight's dequantized fp32 copy after its first
+  them bit for bit) and, like llama.cpp's CPU kernels, multiplies activations rounded to 8 bits
+  (per 32 values for Q4_0 / Q4_1 / Q8_0, per 256 for the K-quants, scale = max |x| / 127). The
+  compiled kernels' activation rounding may differ in detail: the quality bounds in
+  tests/engine/test_gguf_quant.py are to be re-measured on them. It sums in float64 and rounds to float32, so a row's result does not depend on the other rows
+  of the batch (as a kernel that computes each row the same way): float32 GEMMs sum in an order
+  that depends on the row count, and 8-bit activations turn those ulps into whole rounding steps
+  (greedy output changed under batching in tests/server/test_openai_server.py).
+  NOTE: for the tests' speed it keeps each weight's dequantized (float64) copy after its first
   product (dropped with the packed tensor): memory use past loading is NOT the kernels'.
 * ``quantize_weight`` uses ``gguf.quants.quantize`` (q8_0, q4_0, q4_1 only: gguf-py cannot
   quantize the K-quants).
@@ -92,11 +96,11 @@ _dequantized: dict[int, tuple[weakref.ref, list[tuple[str, Tensor]]]] = {}
 
 
 def _weights(packed: Tensor) -> list[tuple[str, Tensor]]:
-    """(qtype, float32 rows) per segment, cached while `packed` lives."""
+    """(qtype, float64 rows) per segment, cached while `packed` lives."""
     hit = _dequantized.get(id(packed))
     if hit is not None and hit[0]() is packed:
         return hit[1]
-    segs = [(qtype, dequantize_raw(raw, qtype)) for qtype, raw in _segments(packed)]
+    segs = [(qtype, dequantize_raw(raw, qtype).double()) for qtype, raw in _segments(packed)]
     key = id(packed)
     _dequantized[key] = (weakref.ref(packed, lambda _: _dequantized.pop(key, None)), segs)
     return segs
@@ -106,7 +110,7 @@ def quant_matmul(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tenso
     outs = []
     xf = x.float()
     for qtype, w in _weights(packed):
-        outs.append(F.linear(_round_activations(xf, 256 if qtype.endswith("_k") else 32), w))
+        outs.append(F.linear(_round_activations(xf, 256 if qtype.endswith("_k") else 32).double(), w).float())
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     if bias is not None:
         y = y + bias.float()

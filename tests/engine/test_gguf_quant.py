@@ -6,7 +6,7 @@ files stop start-up with one line; --quantization on an fp checkpoint; tensor pa
 
 NOTE: the quality bounds were measured with the pure-torch stand-in kernels
 (engine/models/_quant_standin.py: 8-bit activations per 32 / 256 values, as llama.cpp's): mean
-KL 0.0027, top-1 agreement 96.9% over 1,061 tokens; greedy agreement on 3 to 24 first tokens of
+KL 0.0028, top-1 agreement 96.7% over 1,061 tokens; greedy agreement on 5 to 24 first tokens of
 24. Re-measure them on the compiled kernels."""
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def test_quantized_greedy_output_matches_the_dequantized_models_first_tokens(mak
     for q, d in zip(quant, dense):
         a, b = q.outputs[0].token_ids, d.outputs[0].token_ids
         agree.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))
-    # measured (stand-in kernels): 5, 24, 3, 24, 24
+    # measured (stand-in kernels): 5, 24, 24, 24, 24
     assert min(agree) >= 2 and sum(agree) >= 0.5 * 24 * len(prompts), agree
 
 
@@ -212,7 +212,7 @@ def test_quantized_next_token_distributions_stay_close_to_the_dequantized_models
     assert lq.shape == ld.shape == (len(ids) - 1, 49152)
     kl = (ld.exp() * (ld - lq)).sum(-1)
     top1 = (lq.argmax(-1) == ld.argmax(-1)).float().mean().item()
-    # measured (stand-in kernels): mean KL 0.0027 (max 0.020), top-1 agreement 0.969
+    # measured (stand-in kernels): mean KL 0.0028 (max 0.037), top-1 agreement 0.967
     assert kl.mean().item() < 0.01 and top1 > 0.93, (kl.mean().item(), top1)
 
 
@@ -220,9 +220,9 @@ def test_prefix_caching_and_preemption_run_on_quantized_weights(make_llm):
     """Shared prefixes hit the cache and a small pool preempts (recompute); the pool stays whole
     (make_llm checks) and the outputs agree with the same model's for each prompt run alone.
 
-    NOTE: not token for token: 8-bit activations turn the ~1e-6 float differences between a
-    batched, recomputed step and a lone decode into whole rounding steps (with the activation
-    rounding taken out of the stand-in kernels, all 40 tokens agree and logprobs within 1e-5)."""
+    NOTE: not token for token: 8-bit activations turn an ulp of difference between a lone
+    decode and a recomputed prompt (another attention kernel) into whole rounding steps (with the
+    activation rounding taken out of the stand-in kernels, all 40 tokens agree)."""
     llm = make_llm(quantization="auto", block_size=4, max_model_len=48, num_gpu_blocks_override=12,
                    preemption_mode="recompute", enable_prefix_caching=True)
     prefix = llm.tokenizer("A lighthouse keeper wrote in the logbook that", add_special_tokens=False).input_ids
@@ -235,7 +235,7 @@ def test_prefix_caching_and_preemption_run_on_quantized_weights(make_llm):
     assert llm.engine.scheduler.num_preemptions["recompute"] > preempted
     first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(alone, together)]
     agree = sum(x == y for a, b in zip(alone, together) for x, y in zip(a, b))
-    # measured (stand-in kernels): first difference at 10, 3, 10, 10; 33 of 40 tokens agree
+    # measured (stand-in kernels): first difference at 10, 10, 10, 6; 36 of 40 tokens agree
     assert min(first) >= 2 and agree >= 28, (first, agree)
 
 
