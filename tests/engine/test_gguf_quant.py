@@ -282,6 +282,17 @@ def test_tiny_gguf_gives_hf_logits_and_its_quantized_layers_gguf_pys_weights(tmp
     assert F.cosine_similarity(got, want, dim=0) > 0.995  # measured 0.9985 (llama), 0.9984 (qwen2)
 
 
+def test_llama3_rope_scaling_comes_back_from_rope_freqs(tmp_path):
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    hf = tiny_hf_model(rope_parameters=rope)
+    with torch.no_grad():
+        want = hf(torch.tensor([IDS])).logits[0, -1]
+    runner = _runner(str(write_gguf(tmp_path / "llama3.gguf", hf)))
+    assert runner.config.hf_config.rope_parameters == rope
+    assert torch.allclose(_last_logits(runner, IDS), want, atol=1e-4, rtol=1e-4)
+
+
 def test_bad_gguf_files_stop_with_one_line_naming_file_tensor_and_reason(tmp_path):
     hf = tiny_hf_model()
     cases = {

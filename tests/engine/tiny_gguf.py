@@ -68,8 +68,10 @@ def write_gguf(path: Path, model, arch: str = "llama", types: dict[str, str] | N
                drop: tuple[str, ...] = (), wrong_bytes: str | None = None, gguf_arch: str | None = None) -> Path:
     """Write `model` as a GGUF. `types`: tensor-name fragment -> GGML type name for 2-D tensors
     (first match wins; default F32); 1-D tensors are F32. `drop`: tensors left out. `wrong_bytes`:
-    a tensor written as F16 bytes while its header says F32 (its byte size disagrees)."""
+    a tensor written as F16 bytes while its header says F32 (its byte size disagrees). Llama 3's
+    rope scaling is written as convert_hf_to_gguf.py writes it: a rope_freqs.weight tensor."""
     c = model.config
+    rope = c.rope_parameters
     w = gguf.GGUFWriter(str(path), gguf_arch or arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -78,7 +80,9 @@ def write_gguf(path: Path, model, arch: str = "llama", types: dict[str, str] | N
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_dimension_count(c.head_dim)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, c.head_dim))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_bos_token_id(c.bos_token_id)
@@ -104,6 +108,26 @@ def write_gguf(path: Path, model, arch: str = "llama", types: dict[str, str] | N
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors (rope_freqs)."""
+    import math
+
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high, old = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"], \
+        rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def gguf_dequantized(path: Path, name: str) -> torch.Tensor:
