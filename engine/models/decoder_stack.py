@@ -137,7 +137,7 @@ def why_not_quantized(decoder: LlamaModel) -> str | None:
     NOTE: the hook for decoder_stack.cpp's quantized mode (branch quant-kernels): once wired,
     this checks what that mode takes (every product a QuantLinear, gate/up feeding SiLU * up)
     and `CompiledDecoderStack.build` hands it the packed `qweight`s."""
-    return "quantized linear layers (the stack's quantized mode is not wired yet)"
+    return "quantized linear layers: the stack's quantized mode is not wired yet"
 
 
 def use_compiled_stack(model: nn.Module, device: torch.device, tp_size: int, enabled: bool = True) -> str | None:

@@ -39,6 +39,7 @@ from engine.models.quant_linear import (
 )
 from engine.models.quant_ops import BLOCK, qops
 from engine.sampling_params import SamplingParams
+from server.cli import parse_args
 from tests.engine.prompts import TEXT
 from tests.engine.tiny_gguf import gguf_dequantized, llama_cpp_permute, tiny_hf_model, write_gguf
 
@@ -347,6 +348,8 @@ def test_quantization_q8_0_quantizes_an_fp_checkpoints_linear_layers(tmp_path):
     assert _runner(str(tmp_path / "tiny")).model.model.layers[0].mlp.down_proj.__class__ is RowParallelLinear
     with pytest.raises(ValueError, match="quantization must be one of auto, none, q8_0, q4_0, q4_k"):
         EngineArgs(model=str(tmp_path / "tiny"), quantization="q5_0").create_engine_config()
+    assert parse_args([str(tmp_path / "tiny"), "--quantization", "q8_0"]).engine_args.quantization == "q8_0"
+    assert parse_args([]).engine_args.quantization == "auto"
 
 
 def test_tensor_parallelism_refuses_quantized_weights_before_starting_workers(tmp_path):
