@@ -33,11 +33,14 @@ def parse_size(value: int | float | str) -> int:
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# --quantization: "auto" serves a GGUF's tensors as stored (none for an fp checkpoint), "none"
+# dequantizes everything, a type quantizes the decoder's other linear layers to it at load
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_k")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str  # resolved local HF-style directory (config.json, *.safetensors, tokenizer)
+    path: str  # resolved local HF-style directory (config.json, *.safetensors, tokenizer), or a .gguf file
     hf_config: object  # transformers PretrainedConfig
     dtype: torch.dtype
     max_model_len: int
@@ -46,6 +49,13 @@ class ModelConfig:
     seed: int
     linear_kernel: str = "auto"  # engine/models/linear_kernel.py: auto | torch | onednn | panels
     fused_ops: bool = True  # the compiled one-pass RMSNorm / rotary / SiLU*up on CPU tensors
+    # "auto" (a GGUF's types as stored), "none" (dense) or a type the linear layers take at load
+    quantization: str = "none"
+
+    @property
+    def quantized(self) -> bool:
+        """Whether some weights may stay quantized (a GGUF served as stored, or --quantization TYPE)."""
+        return self.quantization != "none"
 
     @property
     def num_layers(self) -> int:
@@ -153,6 +163,7 @@ class EngineArgs:
     tokenizer: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA; on a CPU bf16 where native and faster, else float32
     linear_kernel: str = "auto"  # auto: the fastest of torch / oneDNN / panels here (engine/models/linear_kernel.py)
+    quantization: str = "auto"  # auto: a GGUF's quantized tensors as stored, an fp checkpoint dense; none; q8_0|q4_0|q4_k
     fused_ops: bool = True  # CPU: residual+RMSNorm, rotary, SiLU*up as compiled one-pass ops, and with the panels
     # (fp32) or oneDNN (fp32, bf16) kernel the decoder layers as one compiled call per step (False: torch's ops)
     device: str = "auto"
@@ -207,12 +218,17 @@ class EngineArgs:
             device = torch.device(self.device)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         if self.linear_kernel not in linear_kernel.KERNELS:
             raise ValueError(f"linear_kernel must be one of {', '.join(linear_kernel.KERNELS)}; "
                              f"got {self.linear_kernel!r}")
 
-        path, default_name = resolve_model(self.model, self.load_format)
+        path, default_name = resolve_model(self.model, self.load_format, self.quantization)
         hf_config = load_hf_config(path)
+        quantization = self.quantization
+        if quantization == "auto" and not path.endswith(".gguf"):
+            quantization = "none"  # an fp checkpoint (or dummy weights) stays dense
         model_max = getattr(hf_config, "max_position_embeddings", 2048)
         max_model_len = self.max_model_len or model_max
         if max_model_len > model_max:
@@ -251,6 +267,7 @@ class EngineArgs:
             seed=self.seed,
             linear_kernel=self.linear_kernel,
             fused_ops=self.fused_ops,
+            quantization=quantization,
         )
         cache = CacheConfig(
             block_size=self.block_size,

@@ -17,6 +17,7 @@ import queue
 import time
 from typing import TYPE_CHECKING
 
+from engine.models.gguf_file import GGUFError
 from engine.outputs import RequestOutput
 from engine.request_stream import EngineDeadError, RequestFailedError
 from engine.step_calibration import calibrate_step_cost
@@ -50,8 +51,11 @@ class EngineThread:
                 self.on_ready(self.engine)
             self.last_stats = self.engine.last_stats
         except BaseException as exc:  # noqa: BLE001 - reported, the server stays up to say so
-            logger.exception("The engine failed to load")
-            self._die(f"The engine failed to load: {exc!r}",
+            if isinstance(exc, GGUFError):  # a bad model file: its one line (file, tensor, reason) says it all
+                logger.error("The engine failed to load: %s", exc)
+            else:
+                logger.exception("The engine failed to load")
+            self._die(f"The engine failed to load: {exc if isinstance(exc, GGUFError) else repr(exc)}",
                       "The engine failed to load; the server log has the details.")
             self._to_loop(self._set_ready, EngineDeadError(self.dead_reason))
             return

@@ -80,6 +80,10 @@ def create_executor(config: EngineConfig) -> Executor:
     cannot split the model (before any process is started)."""
     tp = config.tensor_parallel_size
     parallel.check_divides(config.model.hf_config, tp)
+    if tp > 1 and config.model.quantized:
+        kind = "GGUF weights" if config.model.path.endswith(".gguf") else "weights"
+        raise ValueError(f"tensor_parallel_size={tp}: quantized {kind} are not sharded across ranks yet; "
+                         "use --quantization none")
     return LocalExecutor(config) if tp == 1 else MultiProcessExecutor(config)
 
 

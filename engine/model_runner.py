@@ -25,7 +25,7 @@ from engine import parallel
 from engine.attention_backend import TorchPagedBackend
 from engine.cache_engine import CacheEngine, num_blocks_from_budget
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.models import linear_kernel
+from engine.models import gguf_weights, linear_kernel
 from engine.models.decoder_stack import use_compiled_stack
 from engine.models.layers import (
     ColumnParallelLinear,
@@ -36,7 +36,8 @@ from engine.models.layers import (
     use_fused_ops,
 )
 from engine.models.llama import model_class
-from engine.models.loader import load_weights
+from engine.models.loader import is_gguf, load_weights
+from engine.models.quant_linear import describe_footprint, quantize_linear_layers, weight_footprint
 from engine.sampler import SampleResult, score_tokens
 from engine.scheduler import SchedulerOutput
 from engine.table_rows import TableRows
@@ -133,15 +134,16 @@ class ModelRunner:
         self.tp_size = parallel.world_size()
         t0 = time.perf_counter()
         torch.manual_seed(model_config.seed)
-        with torch.device(device):
-            self.model = model_class(model_config.hf_config)(model_config.hf_config, model_config.max_model_len)
-        self.model.to(dtype=model_config.dtype)
-        self.model.eval()
-        if model_config.load_format == "dummy":
-            load_dummy_weights(self.model, model_config.seed)
+        if is_gguf(model_config.path):
+            # NOTE: built on the meta device: quantized layers never allocate dense weights
+            self.model = gguf_weights.build_model(model_config, device)
         else:
-            load_weights(self.model, model_config.path, model_config.load_format, model_config.seed)
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            self.model = self._dense_model(model_config, device)
+        self.model.eval()
+        by_type, num_params = weight_footprint(self.model)
+        # NOTE: packed bytes for quantized layers: this is what the KV pool's budget leaves out
+        self.weights_bytes = sum(by_type.values())
+        logger.info("weights: %s", describe_footprint(by_type))
         self.linear_kernel, why = linear_kernel.choose(self.model, model_config.linear_kernel, device, model_config.dtype)
         if self.linear_kernel in ("onednn", "panels"):
             linear_kernel.pack(self.model, self.linear_kernel)
@@ -161,7 +163,7 @@ class ModelRunner:
         logger.info(
             "model ready: %s, %.1f M parameters%s, %s on %s, in %.1f s",
             model_config.served_model_name,
-            self.weights_bytes / torch.tensor([], dtype=model_config.dtype).element_size() / 1e6,
+            num_params / 1e6,
             f" (rank {parallel.rank()} of {self.tp_size})" if self.tp_size > 1 else "",
             str(model_config.dtype).removeprefix("torch."),
             device,
@@ -169,6 +171,27 @@ class ModelRunner:
         )
         self.cache: CacheEngine | None = None
         self.attn_backend = TorchPagedBackend(block_size, device)
+
+    @staticmethod
+    def _dense_model(model_config: ModelConfig, device: torch.device) -> torch.nn.Module:
+        """The model from an HF directory (or dummy weights), its linear layers quantized at load
+        with --quantization TYPE."""
+        with torch.device(device):
+            model = model_class(model_config.hf_config)(model_config.hf_config, model_config.max_model_len)
+        model.to(dtype=model_config.dtype)
+        if model_config.load_format == "dummy":
+            load_dummy_weights(model, model_config.seed)
+        else:
+            load_weights(model, model_config.path, model_config.load_format, model_config.seed)
+        if model_config.quantized:
+            why = gguf_weights.kernels_unavailable(device)
+            if why is not None:
+                raise ValueError(f"--quantization {model_config.quantization}: {why}; use --quantization none")
+            t0 = time.perf_counter()
+            count = quantize_linear_layers(model, model_config.quantization)
+            logger.info("quantized %d linear layers to %s in %.1f s", count, model_config.quantization,
+                        time.perf_counter() - t0)
+        return model
 
     def num_blocks(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig | None = None) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) that this rank's memory budget allows for its KV heads

@@ -30,10 +30,12 @@ def load_tokenizer(path: str, chat_template: str | None = None):
     from transformers import AutoTokenizer
 
     if os.path.isfile(path) and path.endswith(".gguf"):
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                  gguf_file=os.path.basename(path))
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        from pathlib import Path
+
+        from engine.models.loader import gguf_tokenizer_dir
+
+        path = str(gguf_tokenizer_dir(Path(path)))  # NOTE: converted once, then cached
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if chat_template is not None:
         tokenizer.chat_template = _resolve_template(chat_template)
     return tokenizer

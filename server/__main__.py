@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     server: DrainingServer | None = None
 
     def on_load_failure(exc: BaseException) -> None:
-        logging.getLogger("server").error("Exiting: %s", exc)
+        # NOTE: the engine thread has logged why (one line for a bad model file)
+        logging.getLogger("server").error("Exiting: the engine failed to load")
         if server is not None:
             server.exit_now(1)
 

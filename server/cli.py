@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from engine.config import SCHEDULING_POLICIES, EngineArgs, parse_size
+from engine.config import QUANTIZATIONS, SCHEDULING_POLICIES, EngineArgs, parse_size
 from engine.models.linear_kernel import KERNELS as LINEAR_KERNELS
 from server.settings import ServerSettings
 
@@ -19,7 +19,7 @@ API_KEY_ENV = "PAGED_SERVE_API_KEY"
 
 # Flags that go to EngineArgs (dest name == EngineArgs field name).
 ENGINE_FLAGS = (
-    "model", "served_model_name", "tokenizer", "dtype", "linear_kernel", "fused_ops", "device", "load_format", "max_model_len",
+    "model", "served_model_name", "tokenizer", "dtype", "quantization", "linear_kernel", "fused_ops", "device", "load_format", "max_model_len",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "swap_space", "num_gpu_blocks_override",
     "enable_prefix_caching", "kv_allocation", "max_num_seqs", "max_num_batched_tokens", "preemption_mode",
     "max_preemptions_per_request", "enable_chunked_prefill", "target_itl_ms", "target_ttft_ms", "scheduling_policy", "seed", "tensor_parallel_size",
@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                      help="auto: bfloat16 on a GPU; on a CPU bfloat16 where it is native and timed clearly faster "
                           "at start-up (logged), else float32 (HF fp32 equality)")
+    eng.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                     help="weights kept quantized on a CPU: auto serves a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / "
+                          "Q5_K / Q6_K tensors as stored (other types dequantized; an fp checkpoint stays dense), "
+                          "none dequantizes everything (a GGUF once, into a cache), q8_0 / q4_0 / q4_k quantize "
+                          "the other linear layers to that type at load")
     eng.add_argument("--linear-kernel", default="auto", choices=list(LINEAR_KERNELS),
                      help="CPU matmul kernel of the linear layers: torch's F.linear (MKL), oneDNN over "
                           "prepacked weights, panels (our AVX2 kernel over weights packed in 16-column panels), "

@@ -11,7 +11,7 @@ import pytest
 def model_dir() -> str:
     from engine.models.loader import resolve_model
 
-    return resolve_model(None)[0]
+    return resolve_model(None, quantization="none")[0]  # the HF directory of its dequantized weights
 
 
 # Opt-in markers: a test marked with one runs only when `-m` names it.

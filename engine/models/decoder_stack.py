@@ -29,6 +29,7 @@ from engine.attention import AttentionMetadata
 from engine.models.layers import FUSED_MODULES
 from engine.models.linear_kernel import PanelWeight, linear_layers
 from engine.models.llama import LlamaModel
+from engine.models.quant_linear import QuantLinear
 
 # The dtypes the stack's kernels take (the prefill attention kernel's).
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -109,6 +110,8 @@ def why_not(model: nn.Module, device: torch.device, tp_size: int) -> str | None:
         return "the compiled CPU ops with AVX2 + FMA kernels are not loaded"
     if not all(m.fused for m in decoder.modules() if isinstance(m, FUSED_MODULES)):
         return "the fused elementwise ops are off"
+    if any(isinstance(m, QuantLinear) for m in decoder.layers.modules()):
+        return why_not_quantized(decoder)
     layers = linear_layers(decoder)
     panels = all(type(m.packed) is PanelWeight for m in layers)
     if not panels and not all(_on_onednn(m) for m in layers):
@@ -125,6 +128,16 @@ def why_not(model: nn.Module, device: torch.device, tp_size: int) -> str | None:
     if first.head_size % 16:
         return f"head size {first.head_size} is not a multiple of 16 (the prefill kernel's)"
     return None
+
+
+def why_not_quantized(decoder: LlamaModel) -> str | None:
+    """Why the stack cannot run a decoder whose layers hold quantized linear layers
+    (QuantLinear), or None when it can (a QuantEmbedding runs before the stack: no matter).
+
+    NOTE: the hook for decoder_stack.cpp's quantized mode (branch quant-kernels): once wired,
+    this checks what that mode takes (every product a QuantLinear, gate/up feeding SiLU * up)
+    and `CompiledDecoderStack.build` hands it the packed `qweight`s."""
+    return "quantized linear layers: the stack's quantized mode is not wired yet"
 
 
 def use_compiled_stack(model: nn.Module, device: torch.device, tp_size: int, enabled: bool = True) -> str | None:

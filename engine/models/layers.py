@@ -206,7 +206,10 @@ def _rope_inv_freq(hf_config, head_size: int) -> tuple[torch.Tensor, float]:
         return inv, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    # NOTE: on the CPU whatever the default device: some initialisers make tensors without one,
+    # and one built on the meta device (a model built without memory) has no values to read
+    with torch.device("cpu"):
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
     return inv.float(), float(scaling)
 
 

@@ -45,6 +45,7 @@ from torch import nn
 
 from cuda_ext import ops
 from engine.models.kernel_chooser import DEFAULT_REPEATS, KernelChooser, Workload, cpu_identity
+from engine.models.quant_linear import QUANT_MODULES
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +135,10 @@ def reduced_precision_is_slow(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def linear_layers(model: nn.Module) -> list[nn.Module]:
-    """The modules whose `weight` multiplies activations (they carry a `packed` attribute)."""
-    return [m for m in model.modules() if hasattr(m, "packed") and isinstance(getattr(m, "weight", None), torch.Tensor)]
+    """The modules whose dense `weight` multiplies activations (they carry a `packed` attribute);
+    layers over quantized weights (engine/models/quant_linear.py) have their own kernels."""
+    return [m for m in model.modules() if hasattr(m, "packed") and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and not isinstance(m, QUANT_MODULES)]
 
 
 def panels_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -167,6 +170,8 @@ def choose(model: nn.Module, setting: str, device: torch.device, dtype: torch.dt
     if len(candidates) == 1:
         return "torch", f"no packed linear kernel runs for {dtype} on {device.type}"
     decode, prefill = shape_counts(model), shape_counts(model, lm_head=False)
+    if not decode:
+        return "torch", "unused: every linear layer is quantized, with kernels of its own"
     chooser = kernel_chooser()
     with torch.inference_mode():
         choice = chooser.choose(choice_key(decode, prefill, dtype, candidates), candidates,

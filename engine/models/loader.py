@@ -1,8 +1,11 @@
 """Finding and loading weights: a local HF directory, a GGUF file, or random ("dummy") weights.
 
-A GGUF file is dequantized once with transformers (slow: ~20 s for the default model) and the
-result is cached as an ordinary HF directory (config.json, model.safetensors, tokenizer files)
-keyed by the file's identity, so every later start loads plain safetensors in about a second.
+A GGUF file is served as stored (engine/models/gguf_file.py reads it, gguf_weights.py builds the
+model with its quantized tensors kept packed); its tokenizer is converted once with transformers
+and cached. With ``--quantization none`` it is instead dequantized once with transformers (slow:
+~20 s for the default model) and the result cached as an ordinary HF directory (config.json,
+model.safetensors, tokenizer files) keyed by the file's identity, so every later start loads
+plain safetensors in about a second.
 """
 
 from __future__ import annotations
@@ -48,11 +51,13 @@ def default_gguf_path() -> Path:
     raise FileNotFoundError(f"no .gguf file found in the '{DEFAULT_MODEL_PACKAGE}' package")
 
 
-def resolve_model(model: str | None, load_format: str = "auto") -> tuple[str, str]:
-    """Map the user's model argument to (local HF directory, default served name).
+def resolve_model(model: str | None, load_format: str = "auto", quantization: str = "auto") -> tuple[str, str]:
+    """Map the user's model argument to (model path, default served name).
 
     Accepts None (the default model), a local HF directory, a `.gguf` file, or, with
-    load_format="dummy", a config JSON (a path or a name under configs/models/).
+    load_format="dummy", a config JSON (a path or a name under configs/models/). A GGUF file's
+    path is the `.gguf` itself, except with quantization "none": then the HF directory of its
+    dequantized weights (`convert_gguf`).
     """
     if load_format == "dummy":
         path = Path(model) if model else _CONFIGS_DIR / "smollm2-135m.json"
@@ -63,10 +68,10 @@ def resolve_model(model: str | None, load_format: str = "auto") -> tuple[str, st
             raise FileNotFoundError(f"no model config {model!r}; known: {', '.join(names)}")
         return str(path), path.stem
     if model is None:
-        return str(convert_gguf(default_gguf_path())), DEFAULT_MODEL_NAME
+        return _gguf_path(default_gguf_path(), quantization), DEFAULT_MODEL_NAME
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return str(convert_gguf(path)), path.stem
+        return _gguf_path(path, quantization), path.stem
     if path.is_dir() and (path / "config.json").exists():
         return str(path.resolve()), path.name
     raise FileNotFoundError(
@@ -75,11 +80,43 @@ def resolve_model(model: str | None, load_format: str = "auto") -> tuple[str, st
     )
 
 
+def is_gguf(path: str) -> bool:
+    return path.endswith(".gguf") and Path(path).is_file()
+
+
+def _gguf_path(gguf: Path, quantization: str) -> str:
+    return str(convert_gguf(gguf)) if quantization == "none" else str(gguf.resolve())
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def gguf_tokenizer_dir(gguf: Path) -> Path:
+    """The GGUF's tokenizer converted (once, ~2 s for a 49k vocabulary) into a cached HF directory."""
+    from transformers import AutoTokenizer
+
+    target = cache_dir() / "gguf-tokenizer" / f"{gguf.stem}-{_file_key(gguf)}"
+    if (target / "tokenizer_config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
+    try:
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF file into a cached HF directory (once) and return that directory."""
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    target = cache_dir() / "gguf" / f"{gguf.stem}-{_file_key(gguf)}"
     if (target / "config.json").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -118,6 +155,10 @@ def load_hf_config(path: str):
     from transformers import AutoConfig, LlamaConfig
 
     p = Path(path)
+    if is_gguf(path):
+        from engine.models.gguf_file import GGUFFile
+
+        return GGUFFile.open(p).hf_config()
     if p.is_file():  # a dummy-weights config JSON
         data = json.loads(p.read_text())
         data.pop("model_type", None)

@@ -56,10 +56,11 @@ def get_llm(**kwargs):
         while len(_engines) >= _MAX_CACHED_ENGINES:  # each engine holds its weights and KV pool
             _engines.pop(next(iter(_engines)))
             gc.collect()
-        # NOTE: float32 pinned: the tests compare with HF's fp32 model token for token, and
-        # `dtype="auto"` takes bf16 on a CPU that multiplies it natively (engine/config.py).
+        # NOTE: float32 and dense weights pinned: the tests compare with HF's fp32 model token for
+        # token; `dtype="auto"` takes bf16 on a CPU that multiplies it natively, and the default
+        # `quantization="auto"` keeps the GGUF's weights quantized (engine/config.py).
         args = {"max_model_len": 2048, "kv_cache_memory": "256MiB", "enable_prefix_caching": False,
-                "dtype": "float32"}
+                "dtype": "float32", "quantization": "none"}
         args.update(kwargs)
         _engines[key] = LLM(**args)
     return _engines[key]

@@ -17,7 +17,7 @@ def test_gguf_conversion_is_cached_as_an_hf_directory(model_dir):
     assert (path / "config.json").exists() and (path / "model.safetensors").exists()
     assert (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()
     assert "quantization_config" not in json.loads((path / "config.json").read_text())
-    assert resolve_model(None)[0] == model_dir  # second resolution reuses the cache
+    assert resolve_model(None, quantization="none")[0] == model_dir  # second resolution reuses the cache
 
 
 def test_hf_directory_is_accepted_as_is(model_dir):

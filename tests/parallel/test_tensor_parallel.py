@@ -130,9 +130,10 @@ def test_smollm2_tp3_equals_single_process(tokenizer_ids):
     single = get_llm(block_size=16)  # the foundation tests' engine (shared when run together)
     reference = single.generate(prompts, params)
     per_block_tp1 = single.engine.cache.bytes_per_block
-    # NOTE: float32 as get_llm's engine: dtype auto may take bf16 on this CPU (engine/config.py)
+    # NOTE: float32 and dense weights as get_llm's engine: dtype auto may take bf16 on this CPU,
+    # and quantized GGUF weights are not sharded over ranks (engine/config.py)
     with tp_llm(max_model_len=2048, kv_cache_memory="64MiB", swap_space=0.02, enable_prefix_caching=False,
-                tensor_parallel_size=3, dtype="float32") as llm:
+                tensor_parallel_size=3, dtype="float32", quantization="none") as llm:
         assert llm.engine.cache.bytes_per_block * 3 == per_block_tp1  # one KV head of three per rank
         ours = llm.generate(prompts, params)
     compare(ours, reference, "SmolLM2 TP=3")
