@@ -41,19 +41,34 @@ template <class V, int MR>
 struct Tiles {
   using I = typename V::I;
   using F = typename V::F;
+  // NOTE: a row's sum is a chain of dependent vpdpbusd (~5 cycles each); with 1-2 rows a
+  // block's chain of 8 bound the kernel, not memory (q4_k at 1 row: 22 GB/s a core where
+  // sum() reads 41). Rows 1 and 2 split each sum into kSplit independent parts.
+  static constexpr int kSplit = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+
+  static I reduce(const I* parts) {
+    I s = parts[0];
+    PS_UNROLL for (int j = 1; j < kSplit; ++j) s = V::add(s, parts[j]);
+    return s;
+  }
 
   static void q8_0(const uint8_t* w, int64_t blocks, const ActTile& t, int lane, F* acc) {
     const int8_t* x = t.q;
     for (int64_t b = 0; b < blocks; ++b, w += 544, x += 32 * MR) {
       const F dw = V::f16(reinterpret_cast<const uint16_t*>(w) + lane);
-      I sum[MR];
-      PS_UNROLL for (int m = 0; m < MR; ++m) sum[m] = V::set1(-V::kS8Bias * t.s[b * MR + m]);
+      I sum[MR][kSplit];
+      PS_UNROLL for (int m = 0; m < MR; ++m) {
+        sum[m][0] = V::set1(-V::kS8Bias * t.s[b * MR + m]);
+        PS_UNROLL for (int j = 1; j < kSplit; ++j) sum[m][j] = V::zero();
+      }
       PS_UNROLL for (int i = 0; i < 8; ++i) {
         const I q = V::load(w + 32 + 64 * i + 4 * lane);
-        PS_UNROLL for (int m = 0; m < MR; ++m) sum[m] = V::dot4s(sum[m], q, x + 4 * (i * MR + m));
+        PS_UNROLL for (int m = 0; m < MR; ++m) {
+          sum[m][i % kSplit] = V::dot4s(sum[m][i % kSplit], q, x + 4 * (i * MR + m));
+        }
       }
       PS_UNROLL for (int m = 0; m < MR; ++m) {
-        acc[m] = V::fmadd(V::cvt(sum[m]), V::mul(dw, V::setf(t.d[b * MR + m])), acc[m]);
+        acc[m] = V::fmadd(V::cvt(reduce(sum[m])), V::mul(dw, V::setf(t.d[b * MR + m])), acc[m]);
       }
     }
   }
@@ -65,15 +80,22 @@ struct Tiles {
     const int8_t* x = t.q;
     for (int64_t b = 0; b < blocks; ++b, w += kBytes, x += 32 * MR) {
       const F dw = V::f16(reinterpret_cast<const uint16_t*>(w) + lane);
-      I sum[MR];
-      PS_UNROLL for (int m = 0; m < MR; ++m) sum[m] = kMin ? V::zero() : V::set1(-8 * t.s[b * MR + m]);
+      I part[MR][kSplit], sum[MR];
+      PS_UNROLL for (int m = 0; m < MR; ++m) {
+        part[m][0] = kMin ? V::zero() : V::set1(-8 * t.s[b * MR + m]);
+        PS_UNROLL for (int j = 1; j < kSplit; ++j) part[m][j] = V::zero();
+      }
       PS_UNROLL for (int i = 0; i < 4; ++i) {
         const I raw = V::load(w + kQs + 64 * i + 4 * lane);
         const I lo = V::lo4(raw), hi = V::hi4(raw);
         PS_UNROLL for (int m = 0; m < MR; ++m) {
-          sum[m] = V::dot4(V::dot4(sum[m], lo, x + 4 * (i * MR + m)), hi, x + 4 * ((4 + i) * MR + m));
+          I& p0 = part[m][(2 * i) % kSplit];
+          p0 = V::dot4(p0, lo, x + 4 * (i * MR + m));
+          I& p1 = part[m][(2 * i + 1) % kSplit];
+          p1 = V::dot4(p1, hi, x + 4 * ((4 + i) * MR + m));
         }
       }
+      PS_UNROLL for (int m = 0; m < MR; ++m) sum[m] = reduce(part[m]);
       if constexpr (kMin) {
         const F mw = V::f16(reinterpret_cast<const uint16_t*>(w + 32) + lane);
         PS_UNROLL for (int m = 0; m < MR; ++m) {
@@ -100,8 +122,11 @@ struct Tiles {
       // chunk c: sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles)
       static_for(std::make_integer_sequence<int, 4>{}, [&](auto chunk) {
         constexpr int c = decltype(chunk)::value;
-        I lo_sum[MR], hi_sum[MR];
-        PS_UNROLL for (int m = 0; m < MR; ++m) lo_sum[m] = hi_sum[m] = V::zero();
+        constexpr int kParts = (kSplit + 1) / 2;  // lo and hi are two chains already
+        I lo_sum[MR][kParts], hi_sum[MR][kParts];
+        PS_UNROLL for (int m = 0; m < MR; ++m) {
+          PS_UNROLL for (int j = 0; j < kParts; ++j) lo_sum[m][j] = hi_sum[m][j] = V::zero();
+        }
         PS_UNROLL for (int i = 0; i < 8; ++i) {
           const I raw = V::load(w + kQs + 512 * c + 64 * i + 4 * lane);
           I lo = V::lo4(raw), hi = V::hi4(raw);
@@ -111,13 +136,20 @@ struct Tiles {
             hi = V::or_(hi, V::template bits<2 * c + 1 - 4>(h, 0x10));
           }
           PS_UNROLL for (int m = 0; m < MR; ++m) {
-            lo_sum[m] = V::dot4(lo_sum[m], lo, x + 4 * ((16 * c + i) * MR + m));
-            hi_sum[m] = V::dot4(hi_sum[m], hi, x + 4 * ((16 * c + 8 + i) * MR + m));
+            I& l = lo_sum[m][i % kParts];
+            l = V::dot4(l, lo, x + 4 * ((16 * c + i) * MR + m));
+            I& h = hi_sum[m][i % kParts];
+            h = V::dot4(h, hi, x + 4 * ((16 * c + 8 + i) * MR + m));
           }
         }
         const I sc_lo = V::u8(w + 64 + 16 * (2 * c) + lane), sc_hi = V::u8(w + 64 + 16 * (2 * c + 1) + lane);
         PS_UNROLL for (int m = 0; m < MR; ++m) {
-          s1[m] = V::add(s1[m], V::add(V::mullo(lo_sum[m], sc_lo), V::mullo(hi_sum[m], sc_hi)));
+          I l = lo_sum[m][0], h = hi_sum[m][0];
+          PS_UNROLL for (int j = 1; j < kParts; ++j) {
+            l = V::add(l, lo_sum[m][j]);
+            h = V::add(h, hi_sum[m][j]);
+          }
+          s1[m] = V::add(s1[m], V::add(V::mullo(l, sc_lo), V::mullo(h, sc_hi)));
         }
       });
       const F d = V::f16(reinterpret_cast<const uint16_t*>(w) + lane);
@@ -142,18 +174,28 @@ struct Tiles {
       // group g: 32 k, sub-blocks 2g and 2g + 1 of 16
       static_for(std::make_integer_sequence<int, 8>{}, [&](auto group) {
         constexpr int g = decltype(group)::value;
-        I lo_sum[MR], hi_sum[MR];
+        constexpr int kParts = (kSplit + 1) / 2;  // the two sub-blocks are two chains already
+        I part[MR][2][kParts], lo_sum[MR], hi_sum[MR];
         PS_UNROLL for (int m = 0; m < MR; ++m) {
-          lo_sum[m] = V::set1(-32 * t.s[(16 * b + 2 * g) * MR + m]);
-          hi_sum[m] = V::set1(-32 * t.s[(16 * b + 2 * g + 1) * MR + m]);
+          part[m][0][0] = V::set1(-32 * t.s[(16 * b + 2 * g) * MR + m]);
+          part[m][1][0] = V::set1(-32 * t.s[(16 * b + 2 * g + 1) * MR + m]);
+          PS_UNROLL for (int j = 1; j < kParts; ++j) part[m][0][j] = part[m][1][j] = V::zero();
         }
         PS_UNROLL for (int i = 0; i < 8; ++i) {
           const I raw = V::load(w + 288 + 512 * (g / 2) + 64 * i + 4 * lane);
           const I h = V::load(w + 2336 + 512 * (g / 4) + 64 * i + 4 * lane);
           const I q = V::or_(g % 2 ? V::hi4(raw) : V::lo4(raw), V::template bits<2 * (g % 4) - 4>(h, 0x30));
           PS_UNROLL for (int m = 0; m < MR; ++m) {
-            I& sum = i < 4 ? lo_sum[m] : hi_sum[m];
+            I& sum = part[m][i / 4][i % kParts];
             sum = V::dot4(sum, q, x + 4 * ((8 * g + i) * MR + m));
+          }
+        }
+        PS_UNROLL for (int m = 0; m < MR; ++m) {
+          lo_sum[m] = part[m][0][0];
+          hi_sum[m] = part[m][1][0];
+          PS_UNROLL for (int j = 1; j < kParts; ++j) {
+            lo_sum[m] = V::add(lo_sum[m], part[m][0][j]);
+            hi_sum[m] = V::add(hi_sum[m], part[m][1][j]);
           }
         }
         const auto* sc = reinterpret_cast<const int8_t*>(w + 32);
