@@ -212,7 +212,9 @@ def decoder_stack(x: Tensor, positions: Tensor, weights: Sequence[Tensor], qkv_b
     floats, without the host work between them. ``x``: the embeddings ``[tokens, hidden]`` fp32
     (overwritten); ``weights``: per layer its input norm, qkv panels, o panels, post-attention
     norm, gate/up panels in pairs (:func:`linear_panels_silu_mul`), down panels; ``qkv_biases``:
-    none or one per layer. Attention arguments as :func:`prefill_attention` (the first
+    none or one per layer. The products' weights may instead all be oneDNN's packed tensors, or
+    all :func:`quant_pack`'s uint8 tensors (the dtype tells the stack: :func:`quant_matmul`, and
+    gate/up a packed ``[gate | up]`` through :func:`quant_silu_mul`; x fp32 or bf16). Attention arguments as :func:`prefill_attention` (the first
     ``num_prefill_tokens`` rows) and :func:`paged_attention` (the others). Returns the normed
     hidden states of ``rows`` (int64 token indices; None: every token), ``[rows, hidden]``."""
     return torch.ops.paged_serve.decoder_stack(

@@ -65,7 +65,8 @@ TORCH_LIBRARY(paged_serve, m) {
         "Tensor block_tables, Tensor spans, float scale) -> ()");
   m.def("prefill_attention_available() -> bool", &cpu::prefill_attention_available);
   // A Llama-family model's decoder layers and final norm over one step, in one call
-  // (cpu/decoder_stack.cpp); CPU, fp32 with panels-packed weights or fp32 / bf16 with oneDNN's.
+  // (cpu/decoder_stack.cpp); CPU, fp32 with panels-packed weights, fp32 / bf16 with oneDNN's or with
+  // quant_pack's (uint8) weights.
   // Overwrites x (and the caches).
   m.def("decoder_stack(Tensor(a!) x, Tensor positions, Tensor[] weights, Tensor[] qkv_biases, Tensor final_norm, "
         "Tensor cos, Tensor sin, Tensor(b!)[] key_caches, Tensor(c!)[] value_caches, Tensor slot_mapping, "
