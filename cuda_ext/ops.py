@@ -214,8 +214,9 @@ def decoder_stack(x: Tensor, positions: Tensor, weights: Sequence[Tensor], qkv_b
     norm, gate/up panels in pairs (:func:`linear_panels_silu_mul`), down panels; ``qkv_biases``:
     none or one per layer. The products' weights may instead all be oneDNN's packed tensors, or
     all :func:`quant_pack`'s uint8 tensors (the dtype tells the stack: :func:`quant_matmul`, and
-    gate/up a packed ``[gate | up]`` through :func:`quant_silu_mul`; x fp32 or bf16). Attention arguments as :func:`prefill_attention` (the first
-    ``num_prefill_tokens`` rows) and :func:`paged_attention` (the others). Returns the normed
+    gate/up a packed ``[gate | up]`` through :func:`quant_silu_mul`; x fp32 or bf16). Attention
+    arguments as :func:`prefill_attention` (the first ``num_prefill_tokens`` rows) and
+    :func:`paged_attention` (the others). Returns the normed
     hidden states of ``rows`` (int64 token indices; None: every token), ``[rows, hidden]``."""
     return torch.ops.paged_serve.decoder_stack(
         x, positions, list(weights), list(qkv_biases), final_norm, cos, sin, list(key_caches), list(value_caches),

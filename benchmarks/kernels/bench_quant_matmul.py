@@ -174,7 +174,7 @@ def bench_libs(shapes: list[Shape], rounds: int, iters: int) -> None:
         int8 = rotation(w8, s.n * s.k)
         int4 = itertools.cycle([int4_pack(w)] + [tuple(t.clone() for t in int4_pack(w))
                                                  for _ in range(max(0, POOL_BYTES // (s.n * s.k // 2) - 1))])
-        int8_t = rotation(w8.T.contiguous().T, s.n * s.k)  # [K, N] column-major, as _int_mm takes it
+        int8_t = rotation(w8.t(), s.n * s.k)  # [K, N] column-major
         for m in (1, 64, 256):
             x = torch.randn(m, s.k)
             x16 = x.bfloat16()

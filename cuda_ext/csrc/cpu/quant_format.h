@@ -187,8 +187,8 @@ inline Packed parse_packed(const at::Tensor& packed, const char* op, int64_t wan
 }
 
 // A header for `segments` ({type id, rows} each), with the data offsets; returns the bytes in all.
-inline int64_t write_header(uint8_t* dst, int64_t layout, int64_t K, const std::vector<std::pair<int64_t, int64_t>>& segs,
-                            std::vector<int64_t>* offsets) {
+inline int64_t write_header(uint8_t* dst, int64_t layout, int64_t K,
+                            const std::vector<std::pair<int64_t, int64_t>>& segs, std::vector<int64_t>* offsets) {
   int64_t N = 0;
   for (const auto& s : segs) N += s.second;
   const int64_t header = Packed::header_size(static_cast<int64_t>(segs.size()));

@@ -65,7 +65,9 @@ void pack_block(Type type, const uint8_t* const* src, int n, uint8_t* dst) {
       case kQ5_K: {
         std::memcpy(dst + 2 * r, s, 2);
         std::memcpy(dst + 32 + 2 * r, s + 2, 2);
-        for (int j = 0; j < 8; ++j) scale_min_k4(j, s + 4, dst + 64 + 16 * j + r, dst + 192 + 32 * (j / 2) + 2 * r + j % 2);
+        for (int j = 0; j < 8; ++j) {
+          scale_min_k4(j, s + 4, dst + 64 + 16 * j + r, dst + 192 + 32 * (j / 2) + 2 * r + j % 2);
+        }
         const bool q5 = type == kQ5_K;
         if (q5) {
           for (int i = 0; i < 8; ++i) group4(320 + 64 * i, s + 16 + 4 * i);
@@ -219,7 +221,8 @@ at::Tensor quant_pack(at::TensorList parts, at::IntArrayRef types) {
     const int64_t bytes = Packed::segment_bytes(kLayoutPanels, t, rows, K);
     const int64_t end = i + 1 < segs.size() ? offsets[i + 1] : total;
     // The last panel's padding lanes and the gap to the next segment are zeros.
-    std::memset(base + offsets[i] + (panels - 1) * blocks * t.panel_bytes, 0, end - offsets[i] - bytes + blocks * t.panel_bytes);
+    const int64_t last = (panels - 1) * blocks * t.panel_bytes;
+    std::memset(base + offsets[i] + last, 0, end - offsets[i] - last);
     const uint8_t* src = data[i].const_data_ptr<uint8_t>();
     const int64_t row_bytes = data[i].size(1);
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t stop) {

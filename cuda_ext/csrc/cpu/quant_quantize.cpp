@@ -32,7 +32,9 @@ inline void put_half(uint8_t* dst, float v) {
   const uint16_t h = c10::detail::fp16_ieee_from_fp32_value(v);
   std::memcpy(dst, &h, 2);
 }
-inline float half_round(float v) { return c10::detail::fp16_ieee_to_fp32_value(c10::detail::fp16_ieee_from_fp32_value(v)); }
+inline float half_round(float v) {
+  return c10::detail::fp16_ieee_to_fp32_value(c10::detail::fp16_ieee_from_fp32_value(v));
+}
 inline int nearest(float v) { return static_cast<int>(std::nearbyint(v)); }
 
 void q8_0(const float* x, uint8_t* dst) {
@@ -144,7 +146,9 @@ void q45_k(const float* x, uint8_t* dst, int nmax) {
   uint8_t q[256];
   for (int s = 0; s < 8; ++s) {
     const float ds = d * sc[s], dm = dmin * m[s], inv = ds > 0 ? 1.f / ds : 0.f;
-    for (int l = 0; l < 32; ++l) q[32 * s + l] = static_cast<uint8_t>(std::clamp(nearest((x[32 * s + l] + dm) * inv), 0, nmax));
+    for (int l = 0; l < 32; ++l) {
+      q[32 * s + l] = static_cast<uint8_t>(std::clamp(nearest((x[32 * s + l] + dm) * inv), 0, nmax));
+    }
   }
   for (int c = 0; c < 4; ++c) {
     for (int l = 0; l < 32; ++l) {

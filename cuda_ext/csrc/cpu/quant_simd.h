@@ -54,15 +54,18 @@ struct Vec {
   // Per byte: (v >> S) & mask (S < 0: a left shift); `mask` keeps bits that stay in their byte.
   template <int S>
   static I bits(I v, char mask) {
-    const I s = S >= 0 ? _mm512_srli_epi16(v, S >= 0 ? S : 0) : _mm512_slli_epi16(v, S < 0 ? -S : 0);
-    return _mm512_and_si512(s, _mm512_set1_epi8(mask));
+    if constexpr (S > 0) v = _mm512_srli_epi16(v, S);
+    if constexpr (S < 0) v = _mm512_slli_epi16(v, -S);
+    return _mm512_and_si512(v, _mm512_set1_epi8(mask));
   }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
   // acc + per lane sum_b w.u8[4 lane + b] * a[b] for the 4 signed bytes at a.
   // NOTE: GCC 12 does not fold the broadcast into vpdpbusd's {1to16} memory operand; a separate
   // vpbroadcastd per product was a quarter of the q4_k kernel's instructions.
   static I dot4(I acc, I w, const int8_t* a) {
-    asm("vpdpbusd %[a]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [a] "m"(*reinterpret_cast<const int32_t*>(a)));
+    asm("vpdpbusd %[a]%{1to16%}, %[w], %[acc]"
+        : [acc] "+v"(acc)
+        : [w] "v"(w), [a] "m"(*reinterpret_cast<const int32_t*>(a)));
     return acc;
   }
   // The same for signed weights, plus kS8Bias * sum(a) (vpdpbusd takes unsigned weights).
@@ -117,8 +120,9 @@ struct Vec {
   static I hi4(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
   template <int S>
   static I bits(I v, char mask) {
-    const I s = S >= 0 ? _mm256_srli_epi16(v, S >= 0 ? S : 0) : _mm256_slli_epi16(v, S < 0 ? -S : 0);
-    return _mm256_and_si256(s, _mm256_set1_epi8(mask));
+    if constexpr (S > 0) v = _mm256_srli_epi16(v, S);
+    if constexpr (S < 0) v = _mm256_slli_epi16(v, -S);
+    return _mm256_and_si256(v, _mm256_set1_epi8(mask));
   }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I dot4(I acc, I w, const int8_t* a) {
@@ -206,8 +210,8 @@ struct Vec {
   static I bits(I v, char mask) {
     for (int j = 0; j < 4 * kLanes; ++j) {
       const unsigned b = v.bytes()[j];
-      v.bytes()[j] = static_cast<uint8_t>((S >= 0 ? b >> (S >= 0 ? S : 0) : b << (S < 0 ? -S : 0)) &
-                                          static_cast<uint8_t>(mask));
+      const unsigned shifted = S >= 0 ? b >> (S >= 0 ? S : 0) : b << (S < 0 ? -S : 0);
+      v.bytes()[j] = static_cast<uint8_t>(shifted & static_cast<uint8_t>(mask));
     }
     return v;
   }

@@ -205,7 +205,9 @@ struct Tiles {
         }
       });
       const F d = V::f16(reinterpret_cast<const uint16_t*>(w) + lane);
-      PS_UNROLL for (int m = 0; m < MR; ++m) acc[m] = V::fmadd(V::cvt(s1[m]), V::mul(d, V::setf(t.d[b * MR + m])), acc[m]);
+      PS_UNROLL for (int m = 0; m < MR; ++m) {
+        acc[m] = V::fmadd(V::cvt(s1[m]), V::mul(d, V::setf(t.d[b * MR + m])), acc[m]);
+      }
     }
   }
 
