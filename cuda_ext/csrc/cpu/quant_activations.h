@@ -3,8 +3,8 @@
 //
 //   q8_0 (the legacy types' partner): blocks of 32, d = amax / 127 rounded to fp16 (ggml's
 //   block_q8_0 scale), q = round-to-even(x * 127 / amax); with each block's sum of q.
-//   q8_K (the K types'): blocks of 256, d = amax / 127 in fp32, q the same; with the sums per
-//   16 (q6_k's -32 offset) and per 32 (q4_k / q5_k's mins).
+//   q8_K (the K types'): blocks of 256, d = amax / 127 in fp32, q the same; with -32 x the sums
+//   per 16 (q6_k's offset, ready to start its sums from) and the sums per 32 (q4_k / q5_k's mins).
 //
 // The same float32 operations as reference.quantize_activations, so both give the same ints.
 // Rows are laid out in tiles of Vec::kMaxRows (the last may be shorter), interleaved as
@@ -100,7 +100,7 @@ class Activations {
       for (int64_t j = 0; j < K_ / 32; ++j) s[j * rows + m] = s16[2 * j] + s16[2 * j + 1];
     } else {
       int32_t* s = s16_.data() + m0 * K_ / 16;
-      for (int64_t j = 0; j < K_ / 16; ++j) s[j * rows + m] = s16[j];
+      for (int64_t j = 0; j < K_ / 16; ++j) s[j * rows + m] = -32 * s16[j];
       int32_t* pairs = s32_.data() + m0 * K_ / 64;
       for (int64_t p = 0; p < K_ / 64; ++p) {
         const auto lo = static_cast<uint16_t>(s16[4 * p] + s16[4 * p + 1]);

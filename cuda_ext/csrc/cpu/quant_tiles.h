@@ -32,7 +32,7 @@ namespace paged_serve::cpu::quant {
 struct ActTile {
   const int8_t* q;     // [K / 4][MR][4]
   const float* d;      // [K / block][MR] scales (q8_0's rounded to fp16, as ggml's)
-  const int32_t* s;    // q8_0: [K / 32][MR] sums of q; q8_K: [K / 16][MR] sums per 16
+  const int32_t* s;    // q8_0: [K / 32][MR] sums of q; q8_K: [K / 16][MR] -32 x the sums per 16 (q6_k's offset)
   const int32_t* s32;  // q8_K: [K / 64][MR] int16 pairs: the sums of k 64p..64p+31 and 64p+32..64p+63
 };
 
@@ -203,8 +203,8 @@ struct Tiles {
         constexpr int kParts = (kSplit + 1) / 2;  // the two sub-blocks are two chains already
         I part[MR][2][kParts], lo_sum[MR], hi_sum[MR];
         PS_UNROLL for (int m = 0; m < MR; ++m) {
-          part[m][0][0] = V::set1(-32 * t.s[(16 * b + 2 * g) * MR + m]);
-          part[m][1][0] = V::set1(-32 * t.s[(16 * b + 2 * g + 1) * MR + m]);
+          part[m][0][0] = V::set1(t.s[(16 * b + 2 * g) * MR + m]);
+          part[m][1][0] = V::set1(t.s[(16 * b + 2 * g + 1) * MR + m]);
           PS_UNROLL for (int j = 1; j < kParts; ++j) part[m][0][j] = part[m][1][j] = V::zero();
         }
         PS_UNROLL for (int i = 0; i < 8; ++i) {
