@@ -68,6 +68,8 @@ struct Vec {
         : [w] "v"(w), [a] "m"(*reinterpret_cast<const int32_t*>(a)));
     return acc;
   }
+  // dot4 of (w0, a0) and of (w1, a1) into acc; unsigned weights up to 63 (see the AVX2 path).
+  static I dot4x2(I acc, I w0, const int8_t* a0, I w1, const int8_t* a1) { return dot4(dot4(acc, w0, a0), w1, a1); }
   // The same for signed weights, plus kS8Bias * sum(a) (vpdpbusd takes unsigned weights).
   static I dot4s(I acc, I w, const int8_t* a) { return dot4(acc, _mm512_xor_si512(w, _mm512_set1_epi8(-128)), a); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
@@ -130,6 +132,17 @@ struct Vec {
     return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(load_i32(a)));
 #else
     const I p = _mm256_maddubs_epi16(w, _mm256_set1_epi32(load_i32(a)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+  }
+  // NOTE: with weights up to 63, the two products' int16 pair sums add up to at most
+  // 2 x 2 x 63 x 127 = 32004, so one vpmaddwd + vpaddd serves both (5 instructions, not 6).
+  static I dot4x2(I acc, I w0, const int8_t* a0, I w1, const int8_t* a1) {
+#if defined(__AVXVNNI__)
+    return dot4(dot4(acc, w0, a0), w1, a1);
+#else
+    const I p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(load_i32(a0))),
+                                 _mm256_maddubs_epi16(w1, _mm256_set1_epi32(load_i32(a1))));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 #endif
   }
@@ -224,6 +237,9 @@ struct Vec {
       for (int b = 0; b < 4; ++b) acc.v[l] += static_cast<int32_t>(w.bytes()[4 * l + b]) * a[b];
     }
     return acc;
+  }
+  static I dot4x2(I acc, const I& w0, const int8_t* a0, const I& w1, const int8_t* a1) {
+    return dot4(dot4(acc, w0, a0), w1, a1);
   }
   static I dot4s(I acc, const I& w, const int8_t* a) {
     const int8_t* s = reinterpret_cast<const int8_t*>(w.bytes());

@@ -113,10 +113,8 @@ struct Tiles {
         const I raw = V::load(w + kQs + 64 * i + 4 * lane);
         const I lo = V::lo4(raw), hi = V::hi4(raw);
         PS_UNROLL for (int m = 0; m < MR; ++m) {
-          I& p0 = part[m][(2 * i) % kSplit];
-          p0 = V::dot4(p0, lo, x + 4 * (i * MR + m));
-          I& p1 = part[m][(2 * i + 1) % kSplit];
-          p1 = V::dot4(p1, hi, x + 4 * ((4 + i) * MR + m));
+          I& p = part[m][i % kSplit];
+          p = V::dot4x2(p, lo, x + 4 * (i * MR + m), hi, x + 4 * ((4 + i) * MR + m));
         }
       }
       PS_UNROLL for (int m = 0; m < MR; ++m) sum[m] = reduce(part[m]);
@@ -152,19 +150,25 @@ struct Tiles {
         PS_UNROLL for (int m = 0; m < MR; ++m) {
           PS_UNROLL for (int j = 0; j < kParts; ++j) lo_sum[m][j] = hi_sum[m][j] = V::zero();
         }
-        PS_UNROLL for (int i = 0; i < 8; ++i) {
-          const I raw = V::load(w + kQs + 512 * c + 64 * i + 4 * lane);
-          I lo = V::lo4(raw), hi = V::hi4(raw);
-          if constexpr (kQh) {
-            const I h = V::load(w + 320 + 64 * i + 4 * lane);
-            lo = V::or_(lo, V::template bits<2 * c - 4>(h, 0x10));
-            hi = V::or_(hi, V::template bits<2 * c + 1 - 4>(h, 0x10));
+        PS_UNROLL for (int i = 0; i < 8; i += 2) {  // groups i and i + 1 share a dot4x2
+          I lo[2], hi[2];
+          PS_UNROLL for (int j = 0; j < 2; ++j) {
+            const I raw = V::load(w + kQs + 512 * c + 64 * (i + j) + 4 * lane);
+            lo[j] = V::lo4(raw);
+            hi[j] = V::hi4(raw);
+            if constexpr (kQh) {
+              const I h = V::load(w + 320 + 64 * (i + j) + 4 * lane);
+              lo[j] = V::or_(lo[j], V::template bits<2 * c - 4>(h, 0x10));
+              hi[j] = V::or_(hi[j], V::template bits<2 * c + 1 - 4>(h, 0x10));
+            }
           }
           PS_UNROLL for (int m = 0; m < MR; ++m) {
-            I& l = lo_sum[m][i % kParts];
-            l = V::dot4(l, lo, x + 4 * ((16 * c + i) * MR + m));
-            I& h = hi_sum[m][i % kParts];
-            h = V::dot4(h, hi, x + 4 * ((16 * c + 8 + i) * MR + m));
+            const int8_t* xl = x + 4 * ((16 * c + i) * MR + m);
+            const int8_t* xh = x + 4 * ((16 * c + 8 + i) * MR + m);
+            I& l = lo_sum[m][(i / 2) % kParts];
+            l = V::dot4x2(l, lo[0], xl, lo[1], xl + 4 * MR);
+            I& h = hi_sum[m][(i / 2) % kParts];
+            h = V::dot4x2(h, hi[0], xh, hi[1], xh + 4 * MR);
           }
         }
         const I sc_lo = V::u8(w + 64 + 16 * (2 * c) + lane), sc_hi = V::u8(w + 64 + 16 * (2 * c + 1) + lane);
@@ -207,13 +211,17 @@ struct Tiles {
           part[m][1][0] = V::set1(t.s[(16 * b + 2 * g + 1) * MR + m]);
           PS_UNROLL for (int j = 1; j < kParts; ++j) part[m][0][j] = part[m][1][j] = V::zero();
         }
-        PS_UNROLL for (int i = 0; i < 8; ++i) {
-          const I raw = V::load(w + 288 + 512 * (g / 2) + 64 * i + 4 * lane);
-          const I h = V::load(w + 2336 + 512 * (g / 4) + 64 * i + 4 * lane);
-          const I q = V::or_(g % 2 ? V::hi4(raw) : V::lo4(raw), V::template bits<2 * (g % 4) - 4>(h, 0x30));
+        PS_UNROLL for (int i = 0; i < 8; i += 2) {  // groups i and i + 1 (one sub-block) share a dot4x2
+          I q[2];
+          PS_UNROLL for (int j = 0; j < 2; ++j) {
+            const I raw = V::load(w + 288 + 512 * (g / 2) + 64 * (i + j) + 4 * lane);
+            const I h = V::load(w + 2336 + 512 * (g / 4) + 64 * (i + j) + 4 * lane);
+            q[j] = V::or_(g % 2 ? V::hi4(raw) : V::lo4(raw), V::template bits<2 * (g % 4) - 4>(h, 0x30));
+          }
           PS_UNROLL for (int m = 0; m < MR; ++m) {
-            I& sum = part[m][i / 4][i % kParts];
-            sum = V::dot4(sum, q, x + 4 * ((8 * g + i) * MR + m));
+            const int8_t* xi = x + 4 * ((8 * g + i) * MR + m);
+            I& sum = part[m][i / 4][(i / 2) % kParts];
+            sum = V::dot4x2(sum, q[0], xi, q[1], xi + 4 * MR);
           }
         }
         PS_UNROLL for (int m = 0; m < MR; ++m) {
