@@ -55,7 +55,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 CPU_SOURCES = ("bindings.cpp", "cpu/attention.cpp", "cpu/cache.cpp", "cpu/decoder_stack.cpp", "cpu/fused.cpp",
-               "cpu/linear.cpp", "cpu/prefill_attention.cpp", "cpu/sampling.cpp", "cpu/scoring.cpp")
+               "cpu/linear.cpp", "cpu/prefill_attention.cpp", "cpu/quant_matmul.cpp", "cpu/quant_pack.cpp",
+               "cpu/quant_quantize.cpp", "cpu/sampling.cpp", "cpu/scoring.cpp")
 CUDA_SOURCES = ("cuda/attention.cu", "cuda/cache.cu")
 
 CUDA_FLAGS = ("-O3", "-lineinfo", "-DPAGED_SERVE_WITH_CUDA")

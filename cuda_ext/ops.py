@@ -48,6 +48,17 @@ __all__ = [
     "paged_attention",
     "prefill_attention",
     "prefill_attention_available",
+    "QUANT_TYPES",
+    "quant_available",
+    "quant_dequantize",
+    "quant_embedding",
+    "quant_info",
+    "quant_isa",
+    "quant_matmul",
+    "quant_pack",
+    "quant_silu_mul",
+    "quantize_ggml",
+    "quantize_weight",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
@@ -201,8 +212,11 @@ def decoder_stack(x: Tensor, positions: Tensor, weights: Sequence[Tensor], qkv_b
     floats, without the host work between them. ``x``: the embeddings ``[tokens, hidden]`` fp32
     (overwritten); ``weights``: per layer its input norm, qkv panels, o panels, post-attention
     norm, gate/up panels in pairs (:func:`linear_panels_silu_mul`), down panels; ``qkv_biases``:
-    none or one per layer. Attention arguments as :func:`prefill_attention` (the first
-    ``num_prefill_tokens`` rows) and :func:`paged_attention` (the others). Returns the normed
+    none or one per layer. The products' weights may instead all be oneDNN's packed tensors, or
+    all :func:`quant_pack`'s uint8 tensors (the dtype tells the stack: :func:`quant_matmul`, and
+    gate/up a packed ``[gate | up]`` through :func:`quant_silu_mul`; x fp32 or bf16). Attention
+    arguments as :func:`prefill_attention` (the first ``num_prefill_tokens`` rows) and
+    :func:`paged_attention` (the others). Returns the normed
     hidden states of ``rows`` (int64 token indices; None: every token), ``[rows, hidden]``."""
     return torch.ops.paged_serve.decoder_stack(
         x, positions, list(weights), list(qkv_biases), final_norm, cos, sin, list(key_caches), list(value_caches),
@@ -277,6 +291,101 @@ def linear_panels_silu_mul(x: Tensor, packed: Tensor, out_features: int) -> Tens
     :func:`silu_and_mul`, without storing the two products."""
     y = torch.ops.paged_serve.linear_panels_silu_mul(_rows(x), packed, out_features)
     return y.view(*x.shape[:-1], out_features)
+
+
+# GGUF-quantized weights kept as stored (csrc/cpu/quant_*.cpp; format: csrc/cpu/quant_format.h).
+QUANT_TYPES = reference.QUANT_TYPES
+
+
+@functools.cache
+def quant_available() -> bool:
+    """Whether the compiled quantized ops are loaded (every CPU build has them: AVX-512 VNNI,
+    AVX2 or portable loops, see :func:`quant_isa`); otherwise the quant_* functions run the
+    pure-torch reference, its packed tensors readable only by itself."""
+    return backend() in ("cpu", "cuda")
+
+
+def quant_isa() -> str:
+    """The quantized kernels' instruction set: ``avx512_vnni``, ``avx_vnni``, ``avx2``,
+    ``portable`` or ``reference``."""
+    return str(torch.ops.paged_serve.quant_isa()) if quant_available() else "reference"
+
+
+def quant_pack(parts: Sequence[tuple[Tensor, str]]) -> Tensor:
+    """One self-describing packed uint8 tensor of a weight W [N, K] given as row segments
+    ``(data, qtype)``: data uint8 ``[rows, row_bytes]`` holding GGUF blocks as stored (ggml's
+    layout), qtype one of :data:`QUANT_TYPES`; every part of the same K. The parts may be
+    dropped afterwards. A bad part is a ValueError (type) or RuntimeError naming it."""
+    for _, qtype in parts:
+        reference.quant_block(qtype)  # ValueError for a type not served
+    if not quant_available():
+        return reference.quant_pack(parts)
+    return torch.ops.paged_serve.quant_pack([p for p, _ in parts], [reference.GGML_TYPE_IDS[q] for _, q in parts])
+
+
+def quant_info(packed: Tensor) -> tuple[int, int, list[tuple[str, int]]]:
+    """(N, K, [(qtype, rows) per segment]) of a packed weight (ValueError for anything else)."""
+    return reference.quant_info(packed)
+
+
+def quant_matmul(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x W^T (+ bias) for x ``[..., K]`` float32 or bfloat16 and W packed by :func:`quant_pack`;
+    ``[..., N]`` in x's dtype. The activations are quantized per block to int8 as llama.cpp does
+    (q8_0 for q8_0 / q4_0 / q4_1 segments, q8_K for the K types), once per call; integer dot
+    products, fp32 accumulation. Equals :func:`cuda_ext.reference.quant_matmul_ggml` to fp32
+    summation order."""
+    if quant_available():
+        y = torch.ops.paged_serve.quant_matmul(_rows(x), packed, bias)
+    else:
+        y = reference.quant_matmul(x.reshape(-1, x.shape[-1]), packed, bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def quant_silu_mul(x: Tensor, packed_gate_up: Tensor) -> Tensor:
+    """``silu(x G^T) * (x U^T)`` for the MLP's merged gate/up weight packed by
+    :func:`quant_pack` (N = 2 I, gate rows first): ``[..., I]`` in x's dtype, from the fp32
+    products (rounded once to x's dtype)."""
+    if quant_available():
+        y = torch.ops.paged_serve.quant_silu_mul(_rows(x), packed_gate_up)
+    else:
+        y = reference.quant_silu_mul(x.reshape(-1, x.shape[-1]), packed_gate_up)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def quant_embedding(packed: Tensor, ids: Tensor) -> Tensor:
+    """float32 ``[len(ids), K]``: rows ``ids`` of a packed weight dequantized (token embeddings,
+    and a tied LM head shares the packed weight)."""
+    ids = ids.reshape(-1).to(torch.int64)
+    if quant_available():
+        return torch.ops.paged_serve.quant_embedding(packed, ids)
+    return reference.quant_embedding(packed, ids)
+
+
+def quant_dequantize(packed: Tensor) -> Tensor:
+    """float32 ``[N, K]``: the whole packed weight, the same floats as gguf.quants.dequantize."""
+    if quant_available():
+        return torch.ops.paged_serve.quant_dequantize(packed)
+    return reference.quant_dequantize(packed)
+
+
+def quantize_weight(w: Tensor, qtype: str) -> Tensor:
+    """A float weight ``[N, K]`` quantized to `qtype` and packed (for fp checkpoints served with
+    ``--quantization``). q8_0 / q4_0 / q4_1 are ggml's reference quantizers, byte for byte
+    gguf.quants.quantize's; the K types a least-squares fit per sub-block (csrc/cpu/quant_quantize.cpp)."""
+    reference.quant_block(qtype)
+    if not quant_available():
+        return reference.quant_pack([(reference.quantize_ggml(w, qtype), qtype)])
+    blocks = torch.ops.paged_serve.quant_quantize(w.detach(), reference.GGML_TYPE_IDS[qtype])
+    return quant_pack([(blocks, qtype)])
+
+
+def quantize_ggml(w: Tensor, qtype: str) -> Tensor:
+    """A float weight ``[N, K]`` as ggml blocks ``[N, row_bytes]`` (what a GGUF file stores), by
+    the quantizers of :func:`quantize_weight`."""
+    reference.quant_block(qtype)
+    if not quant_available():
+        return reference.quantize_ggml(w, qtype)
+    return torch.ops.paged_serve.quant_quantize(w.detach(), reference.GGML_TYPE_IDS[qtype])
 
 
 def _rows(x: Tensor) -> Tensor:

@@ -170,3 +170,184 @@ def silu_and_mul(x: Tensor) -> Tensor:
     """silu(x[..., :d]) * x[..., d:] for x [..., 2d]."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+# GGUF-quantized weights (the compiled ops: cpu/quant_*.cpp; the packed format: cpu/quant_format.h).
+# The reference keeps ggml's rows as given behind the same header (layout 1); its products
+# dequantize with gguf.quants.dequantize and quantize the activations as the kernels do.
+
+QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+GGML_TYPE_IDS = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+_QUANT_NAMES = {v: k for k, v in GGML_TYPE_IDS.items()}
+QUANT_MAGIC = 0x31544E4155515350  # "PSQUANT1"
+QUANT_VERSION = 1
+LAYOUT_PANELS, LAYOUT_ROWS = 0, 1
+_HEADER_WORDS, _SEGMENT_WORDS, _ALIGN = 8, 4, 64
+
+
+def quant_block(qtype: str) -> tuple[int, int]:
+    """(elements, bytes) of one ggml block of `qtype` (ValueError for a type not served)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if qtype not in GGML_TYPE_IDS:
+        raise ValueError(f"quantized type {qtype!r} is not one of {QUANT_TYPES}")
+    return GGML_QUANT_SIZES[GGMLQuantizationType(GGML_TYPE_IDS[qtype])]
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def parse_quant_header(packed: Tensor) -> tuple[int, int, int, list[tuple[str, int, int, int]]]:
+    """(layout, N, K, [(qtype, rows, byte offset, bytes) per segment]) of a packed weight;
+    ValueError for anything but a quant_pack header."""
+    if not (isinstance(packed, Tensor) and packed.dtype == torch.uint8 and packed.dim() == 1
+            and packed.numel() >= 8 * _HEADER_WORDS):
+        raise ValueError("packed must be the 1-D uint8 tensor quant_pack returns")
+    words = packed[: 8 * _HEADER_WORDS].clone().view(torch.int64).tolist()
+    if words[0] != QUANT_MAGIC or words[1] != QUANT_VERSION:
+        raise ValueError("packed does not start with quant_pack's header (magic / version)")
+    layout, n, k, nseg, header, total = words[2:8]
+    if not (1 <= nseg <= 64 and header == _align(8 * (_HEADER_WORDS + _SEGMENT_WORDS * nseg))
+            and total == packed.numel()):
+        raise ValueError(f"packed header (segments {nseg}, {header} / {total} bytes) disagrees with its "
+                         f"{packed.numel()} bytes")
+    seg_words = packed[8 * _HEADER_WORDS: 8 * (_HEADER_WORDS + _SEGMENT_WORDS * nseg)].clone().view(torch.int64)
+    segments = []
+    for tid, rows, offset, nbytes in seg_words.view(nseg, _SEGMENT_WORDS).tolist():
+        if tid not in _QUANT_NAMES:
+            raise ValueError(f"packed segment of ggml type id {tid}, not a served type")
+        segments.append((_QUANT_NAMES[tid], rows, offset, nbytes))
+    if sum(s[1] for s in segments) != n:
+        raise ValueError(f"packed segments hold {sum(s[1] for s in segments)} rows, the header says {n}")
+    return layout, n, k, segments
+
+
+def quant_info(packed: Tensor) -> tuple[int, int, list[tuple[str, int]]]:
+    """(N, K, [(qtype, rows) per segment]) of a packed weight (either layout)."""
+    _, n, k, segments = parse_quant_header(packed)
+    return n, k, [(q, rows) for q, rows, _, _ in segments]
+
+
+def _check_parts(parts: Sequence[tuple[Tensor, str]]) -> int:
+    """K of the row segments (each uint8 [rows, row_bytes] of whole ggml blocks, one K)."""
+    if not parts:
+        raise ValueError("quant_pack needs at least one part")
+    k = None
+    for i, (part, qtype) in enumerate(parts):
+        block, nbytes = quant_block(qtype)
+        if part.dtype != torch.uint8 or part.dim() != 2 or part.shape[0] < 1:
+            raise ValueError(f"quant_pack: part {i} ({qtype}) must be a 2-D uint8 tensor [rows, row_bytes]")
+        if part.shape[1] == 0 or part.shape[1] % nbytes:
+            raise ValueError(f"quant_pack: part {i} ({qtype}) has {part.shape[1]} bytes per row, not a whole "
+                             f"number of {qtype}'s {nbytes}-byte blocks")
+        part_k = part.shape[1] // nbytes * block
+        if k is not None and part_k != k:
+            raise ValueError(f"quant_pack: part {i} ({qtype}) holds rows of K = {part_k}, part 0 of K = {k}")
+        k = part_k
+    return k
+
+
+def quant_pack(parts: Sequence[tuple[Tensor, str]]) -> Tensor:
+    """The reference's packed weight: quant_pack's header (layout 1) over ggml's rows as given."""
+    k = _check_parts(parts)
+    nseg = len(parts)
+    header = _align(8 * (_HEADER_WORDS + _SEGMENT_WORDS * nseg))
+    offset, seg_words = header, []
+    for part, qtype in parts:
+        seg_words += [GGML_TYPE_IDS[qtype], part.shape[0], offset, part.numel()]
+        offset = _align(offset + part.numel())
+    out = torch.zeros(offset, dtype=torch.uint8)
+    words = [QUANT_MAGIC, QUANT_VERSION, LAYOUT_ROWS, sum(p.shape[0] for p, _ in parts), k, nseg, header, offset]
+    out[: 8 * len(words + seg_words)] = torch.tensor(words + seg_words, dtype=torch.int64).view(torch.uint8)
+    for (part, _), start in zip(parts, seg_words[2::4]):
+        out[start: start + part.numel()] = part.contiguous().view(-1)
+    return out
+
+
+def _ggml_segments(packed: Tensor) -> tuple[int, list[tuple[Tensor, str]]]:
+    layout, _, k, segments = parse_quant_header(packed)
+    if layout != LAYOUT_ROWS:
+        raise ValueError("this packed weight holds the compiled kernels' panels; the reference reads only its own")
+    return k, [(packed[off: off + nbytes].view(rows, -1), q) for q, rows, off, nbytes in segments]
+
+
+def dequantize_ggml(data: Tensor, qtype: str) -> Tensor:
+    """float32 [rows, K] of ggml blocks [rows, row_bytes] (gguf.quants.dequantize)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    quant_block(qtype)
+    return torch.from_numpy(dequantize(data.numpy(), GGMLQuantizationType(GGML_TYPE_IDS[qtype])).copy())
+
+
+def quantize_activations(x: Tensor, block: int, fp16_scale: bool) -> tuple[Tensor, Tensor]:
+    """(q int8 [M, K], d float32 [M, K / block]): x's rows quantized as the kernels do, in the
+    same float32 operations: amax per block, d = amax / 127 (rounded to fp16 for q8_0's blocks of
+    32, fp32 for q8_K's of 256), q = round-half-even(x * (127 / amax))."""
+    import numpy as np
+
+    xf = x.float().numpy()
+    m, k = xf.shape
+    xb = xf.reshape(m, k // block, block)
+    amax = np.abs(xb).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv[..., None]).astype(np.int8).reshape(m, k)
+    d = (amax / np.float32(127)).astype(np.float32)
+    if fp16_scale:
+        d = d.astype(np.float16).astype(np.float32)
+    return torch.from_numpy(q), torch.from_numpy(d)
+
+
+def quant_matmul_ggml(x: Tensor, parts: Sequence[tuple[Tensor, str]], bias: Tensor | None = None) -> Tensor:
+    """x W^T (+ bias) in float64 for W given as ggml row segments: x's activations quantized as
+    the kernels quantize them (per segment: q8_0 for the legacy types, q8_K for the K types),
+    the weights dequantized by gguf, the product and sums in float64."""
+    x2 = x.reshape(-1, x.shape[-1])
+    acts = {}
+    outs = []
+    for data, qtype in parts:
+        block = 256 if qtype.endswith("_k") else 32
+        if block not in acts:
+            q, d = quantize_activations(x2, block, fp16_scale=block == 32)
+            acts[block] = (q.double().view(q.shape[0], -1, block) * d.double()[..., None]).view(q.shape)
+        outs.append(acts[block] @ dequantize_ggml(data, qtype).double().T)
+    y = torch.cat(outs, dim=-1)
+    return y if bias is None else y + bias.double()
+
+
+def quant_matmul(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The reference quant_matmul over its own packed weight: [M, N] in x's dtype."""
+    _, parts = _ggml_segments(packed)
+    return quant_matmul_ggml(x, parts, bias).to(x.dtype)
+
+
+def quant_silu_mul(x: Tensor, packed: Tensor) -> Tensor:
+    """silu(x G^T) * (x U^T) for a packed [G | U], in x's dtype."""
+    _, parts = _ggml_segments(packed)
+    gate, up = quant_matmul_ggml(x, parts).float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def quant_dequantize(packed: Tensor) -> Tensor:
+    """float32 [N, K] of the reference's packed weight."""
+    _, parts = _ggml_segments(packed)
+    return torch.cat([dequantize_ggml(data, qtype) for data, qtype in parts])
+
+
+def quant_embedding(packed: Tensor, ids: Tensor) -> Tensor:
+    """float32 rows `ids` of the reference's packed weight."""
+    return quant_dequantize(packed)[ids]
+
+
+def quantize_ggml(weight: Tensor, qtype: str) -> Tensor:
+    """weight [N, K] as ggml blocks [N, row_bytes] (gguf.quants.quantize: q8_0, q4_0, q4_1)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    quant_block(qtype)
+    if qtype not in ("q8_0", "q4_0", "q4_1"):
+        raise NotImplementedError(f"gguf-py has no {qtype} quantizer: quantizing to it needs the compiled ops")
+    w = weight.detach().float().contiguous().numpy()
+    return torch.from_numpy(quantize(w, GGMLQuantizationType(GGML_TYPE_IDS[qtype])).copy())

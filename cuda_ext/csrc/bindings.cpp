@@ -12,6 +12,7 @@
 
 #include "checks.h"
 #include "cpu/cpu_ops.h"
+#include "cpu/quant_matmul.h"
 
 #ifdef PAGED_SERVE_WITH_CUDA
 #include <ATen/ATen.h>
@@ -67,13 +68,23 @@ TORCH_LIBRARY(paged_serve, m) {
         "Tensor block_tables, Tensor spans, float scale) -> ()");
   m.def("prefill_attention_available() -> bool", &cpu::prefill_attention_available);
   // A Llama-family model's decoder layers and final norm over one step, in one call
-  // (cpu/decoder_stack.cpp); CPU, fp32 with panels-packed weights or fp32 / bf16 with oneDNN's.
+  // (cpu/decoder_stack.cpp); CPU, fp32 with panels-packed weights, fp32 / bf16 with oneDNN's or with
+  // quant_pack's (uint8) weights.
   // Overwrites x (and the caches).
   m.def("decoder_stack(Tensor(a!) x, Tensor positions, Tensor[] weights, Tensor[] qkv_biases, Tensor final_norm, "
         "Tensor cos, Tensor sin, Tensor(b!)[] key_caches, Tensor(c!)[] value_caches, Tensor slot_mapping, "
         "Tensor? prefill_tables, Tensor? prefill_spans, int num_prefill_tokens, Tensor? decode_tables, "
         "Tensor? decode_lens, int max_decode_len, int num_heads, int num_kv_heads, int intermediate_size, "
         "float scale, float eps, Tensor? rows) -> Tensor");
+  // Integer-dot-product products over GGUF-quantized weights (cpu/quant_*.cpp); CPU only. The
+  // packed tensor's header holds N, so these have no Meta kernels (shapes depend on its data).
+  m.def("quant_isa() -> str", &cpu::quant_isa);
+  m.def("quant_pack(Tensor[] parts, int[] types) -> Tensor");
+  m.def("quant_matmul(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
+  m.def("quant_silu_mul(Tensor x, Tensor packed) -> Tensor");
+  m.def("quant_embedding(Tensor packed, Tensor ids) -> Tensor");
+  m.def("quant_dequantize(Tensor packed) -> Tensor");
+  m.def("quant_quantize(Tensor weight, int type) -> Tensor");
   // The CUDA kernels' report of a bad device-resident index since the last call (a
   // cuda::ErrorCode, 0: none), reset; always 0 in a build without CUDA.
   m.def("take_device_error() -> int", &take_device_error_any);
@@ -95,6 +106,12 @@ TORCH_LIBRARY_IMPL(paged_serve, CPU, m) {
   m.impl("linear_panels_silu_mul", &cpu::linear_panels_silu_mul);
   m.impl("prefill_attention", &cpu::prefill_attention);
   m.impl("decoder_stack", &cpu::decoder_stack);
+  m.impl("quant_pack", &cpu::quant_pack);
+  m.impl("quant_matmul", &cpu::quant_matmul);
+  m.impl("quant_silu_mul", &cpu::quant_silu_mul);
+  m.impl("quant_embedding", &cpu::quant_embedding);
+  m.impl("quant_dequantize", &cpu::quant_dequantize);
+  m.impl("quant_quantize", &cpu::quant_quantize);
 }
 
 // NOTE: oneDNN's packed weights are MkldnnCPU tensors, and a call holding one dispatches there.

@@ -12,14 +12,17 @@
 // cache.cpp, attention.cpp, prefill_attention.cpp), in the same order, on tensors of the same
 // shapes and strides, so each output is bit for bit the Python path's. The caller decides
 // where this applies (engine/models/decoder_stack.py): one rank; fp32 on the panels kernel, or
-// any dtype on oneDNN's packed weights (bf16 where the CPU multiplies it natively).
+// any dtype on oneDNN's packed weights (bf16 where the CPU multiplies it natively), or fp32 /
+// bf16 on GGUF-quantized weights packed by quant_pack.
 //
 // weights: per layer, in order: input RMSNorm [hidden], qkv, o, post-attention RMSNorm [hidden],
 // gate/up, down. The products' weights are all panels (gate/up in pairs, linear_panels_silu_mul's
-// layout) or all oneDNN's packed tensors (mkldnn::_linear_pointwise's, gate/up one product
-// followed by silu_and_mul, as the Python layers do).
+// layout), all oneDNN's packed tensors (mkldnn::_linear_pointwise's, gate/up one product
+// followed by silu_and_mul, as the Python layers do), or all quant_pack's uint8 tensors (the
+// dtype says which: quant_matmul, gate/up [gate | up] through quant_silu_mul).
 
 #include "cpu_ops.h"
+#include "quant_matmul.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -45,13 +48,26 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const std::op
   return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), std::string_view(""));
 }
 
+enum class Kernel { kPanels, kOneDnn, kQuant };
+
+// The kernel a product weight was packed for: oneDNN's tensors are MkldnnCPU, quant_pack's uint8.
+Kernel kernel_of(const at::Tensor& w) {
+  return w.is_mkldnn() ? Kernel::kOneDnn : w.scalar_type() == at::kByte ? Kernel::kQuant : Kernel::kPanels;
+}
+
 // One layer's products, on whichever kernel its weights were packed for.
 struct Products {
-  bool onednn;
+  Kernel kernel;
 
   at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t out_features,
                     const std::optional<at::Tensor>& bias = std::nullopt) const {
-    if (onednn) return onednn_linear(x, w, bias);
+    if (kernel == Kernel::kOneDnn) return onednn_linear(x, w, bias);
+    if (kernel == Kernel::kQuant) {
+      at::Tensor y = quant_matmul(x, w, bias);
+      PS_CHECK(y.size(1) == out_features, "decoder_stack: a quantized weight has ", y.size(1), " rows, expected ",
+               out_features);
+      return y;
+    }
     at::Tensor y = linear_panels(x, w, out_features);
     if (bias.has_value()) y.add_(*bias);
     return y;
@@ -59,7 +75,13 @@ struct Products {
 
   // silu(x W_gate^T) * (x W_up^T)
   at::Tensor silu_mul(const at::Tensor& x, const at::Tensor& w, int64_t intermediate) const {
-    if (!onednn) return linear_panels_silu_mul(x, w, intermediate);
+    if (kernel == Kernel::kPanels) return linear_panels_silu_mul(x, w, intermediate);
+    if (kernel == Kernel::kQuant) {
+      at::Tensor y = quant_silu_mul(x, w);
+      PS_CHECK(y.size(1) == intermediate, "decoder_stack: the quantized gate/up weight has ", 2 * y.size(1),
+               " rows, expected 2 x ", intermediate);
+      return y;
+    }
     const at::Tensor gate_up = onednn_linear(x, w, std::nullopt);
     at::Tensor out = at::empty({x.size(0), intermediate}, x.options());
     silu_and_mul(out, gate_up);
@@ -87,15 +109,17 @@ at::Tensor decoder_stack(at::Tensor& x, const at::Tensor& positions, at::TensorL
            ": qkv_biases must be empty or one per layer, got ", qkv_biases.size());
   PS_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), op,
            ": x must be a contiguous CPU [tokens, hidden] tensor, got ", x.sizes());
-  const Products products{weights[1].is_mkldnn()};
+  const Products products{kernel_of(weights[1])};
   for (int64_t i = 0; i < layers; ++i) {
     for (int64_t j : {1, 2, 4, 5}) {
-      PS_CHECK(weights[kWeightsPerLayer * i + j].is_mkldnn() == products.onednn, op, ": layer ", i, " weight ", j,
-               " is packed for another kernel than layer 0's qkv (all panels or all oneDNN)");
+      PS_CHECK(kernel_of(weights[kWeightsPerLayer * i + j]) == products.kernel, op, ": layer ", i, " weight ", j,
+               " is packed for another kernel than layer 0's qkv (all panels, all oneDNN or all quant_pack's uint8)");
     }
   }
-  PS_CHECK(products.onednn || x.scalar_type() == at::kFloat, op, ": the panels kernel takes float32 x, got ",
-           x.scalar_type());
+  PS_CHECK(products.kernel != Kernel::kPanels || x.scalar_type() == at::kFloat, op,
+           ": the panels kernel takes float32 x, got ", x.scalar_type());
+  PS_CHECK(products.kernel != Kernel::kQuant || x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+           op, ": the quantized kernels take float32 or bfloat16 x, got ", x.scalar_type());
   PS_CHECK(cos.dim() == 2, op, ": cos must be [max_positions, head_size], got ", cos.sizes());
   const int64_t T = x.size(0), hidden = x.size(1), d = cos.size(1), P = num_prefill_tokens;
   const int64_t q_size = num_heads * d, kv_size = num_kv_heads * d;
