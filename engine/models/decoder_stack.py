@@ -12,7 +12,7 @@ It applies (`why_not` says why not otherwise) to a model on a CPU on one rank (n
 between the products), with the compiled ops' AVX2 + FMA kernels, the fused elementwise ops on,
 every linear layer on one kernel: the panels kernel in fp32 (gate/up packed in pairs), or
 oneDNN's packed weights in fp32 or bf16 (what `--dtype auto` takes where the CPU multiplies bf16
-natively); biases on q/k/v at most, and a head size the prefill kernel takes; per step, to
+natively), or GGUF-quantized weights (QuantLinear, fp32 or bf16 activations); biases on q/k/v at most, and a head size the prefill kernel takes; per step, to
 metadata the CPU attention backend built (`applies`). Elsewhere, and with ``--no-fused-ops``,
 the layers run in Python.
 """
@@ -36,7 +36,10 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _product_weight(layer: nn.Module) -> Tensor:
-    """A linear layer's weight as ops.decoder_stack takes it: its panels, or oneDNN's tensor."""
+    """A linear layer's weight as ops.decoder_stack takes it: its panels, oneDNN's tensor, or
+    quant_pack's uint8 tensor (a QuantLinear's)."""
+    if isinstance(layer, QuantLinear):
+        return layer.qweight
     packed = layer.packed
     return packed.panels if type(packed) is PanelWeight else packed
 
@@ -111,16 +114,25 @@ def why_not(model: nn.Module, device: torch.device, tp_size: int) -> str | None:
     if not all(m.fused for m in decoder.modules() if isinstance(m, FUSED_MODULES)):
         return "the fused elementwise ops are off"
     if any(isinstance(m, QuantLinear) for m in decoder.layers.modules()):
-        return why_not_quantized(decoder)
+        why = why_not_quantized(decoder)
+        if why is not None:
+            return why
+        return _why_not_layers(decoder)
     layers = linear_layers(decoder)
     panels = all(type(m.packed) is PanelWeight for m in layers)
     if not panels and not all(_on_onednn(m) for m in layers):
         return "the linear layers are neither all on the panels kernel nor all on oneDNN's packed weights"
+    if panels and not all(layer.mlp.gate_up_proj.packed.silu_pairs for layer in decoder.layers):
+        return "gate/up is not packed in pairs"
+    return _why_not_layers(decoder)
+
+
+def _why_not_layers(decoder: LlamaModel) -> str | None:
+    """What the stack asks of every layer whatever its products' kernel: biases on q/k/v only,
+    the same on every layer, one rotary table, a head size the prefill kernel takes."""
     first = decoder.layers[0].self_attn
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if panels and not mlp.gate_up_proj.packed.silu_pairs:
-            return "gate/up is not packed in pairs"
         if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
             return "a layer has biases besides q/k/v's"
         if (attn.qkv_proj.bias is None) != (first.qkv_proj.bias is None) or attn.rotary is not first.rotary:
@@ -134,10 +146,18 @@ def why_not_quantized(decoder: LlamaModel) -> str | None:
     """Why the stack cannot run a decoder whose layers hold quantized linear layers
     (QuantLinear), or None when it can (a QuantEmbedding runs before the stack: no matter).
 
-    NOTE: the hook for decoder_stack.cpp's quantized mode (branch quant-kernels): once wired,
-    this checks what that mode takes (every product a QuantLinear, gate/up feeding SiLU * up)
-    and `CompiledDecoderStack.build` hands it the packed `qweight`s."""
-    return "quantized linear layers: the stack's quantized mode is not wired yet"
+    decoder_stack.cpp's quantized mode takes every product as quant_pack's uint8 tensor (the
+    weights' dtype tells the mode), gate/up through quant_silu_mul."""
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(m, QuantLinear) for m in products):
+            return "some of the linear layers are quantized, others dense"
+        if not mlp.gate_up_proj.feeds_silu_mul:
+            return "the quantized gate/up does not feed SiLU x up in one product"
+    if not ops.quant_available():
+        return "the compiled quantized kernels are not loaded"
+    return None
 
 
 def use_compiled_stack(model: nn.Module, device: torch.device, tp_size: int, enabled: bool = True) -> str | None:

@@ -155,7 +155,7 @@ def test_default_gguf_is_served_as_stored_with_the_checkpoints_weights(make_llm,
     file_size = default_gguf_path().stat().st_size
     assert 0.95 * file_size < runner.weights_bytes <= file_size
     assert describe_footprint(weight_footprint(model)[0]) == "96.6 MB (q4_1 66.4 MB, q8_0 30.1 MB, float32 0.1 MB)"
-    assert "quantized linear layers" in decoder_stack.why_not(model, torch.device("cpu"), 1)
+    assert decoder_stack.why_not(model, torch.device("cpu"), 1) is None  # one compiled call per step
 
 
 def test_without_the_kernels_a_gguf_is_served_dense_with_the_checkpoints_weights(model_dir, monkeypatch, caplog):
