@@ -1,17 +1,20 @@
 """paged-serve against llama.cpp's llama-server, side by side in one run, on the same GGUF and
-the same workload.
+the same workload (the default model's, or `--model FILE.gguf`).
 
 Each point (streams S, requests R) starts one server at a time on a free loopback port, sends R
 streaming greedy /v1/completions with ignore_eos, at most S in flight, and stops it before the
 next server starts:
   - paged-serve with its defaults plus any flags after `--`;
-  - llama-server `-m <the default GGUF> -np S --kv-unified -cb -t <cores> -c S*(512+256)`,
+  - llama-server `-m <the GGUF> -np S --kv-unified -cb -t <cores> -c S*(512+256)`,
     built from source when missing (benchmarks/llama_cpp_build.py).
+Each server's peak resident memory (VmHWM of its process, read before it stops) is reported
+beside its speed.
 Workload (seeded): prompts 70% 8-63 / 25% 64-255 / 5% 256-511 tokens, outputs 70% 16-63 /
 25% 64-159 / 5% 160-255 tokens; prompts are cut from the built-in corpus with the model's own
 tokenizer, so both servers get the same texts. Metrics as benchmarks/serve.py defines them.
 
-    python -m benchmarks.compare_llama_cpp --points 16:64,64:128 --json r.json --plot r.png
+    python -m benchmarks.compare_llama_cpp --points 1:8,4:16,16:64,64:128 --json r.json --plot r.png
+    python -m benchmarks.compare_llama_cpp --model model-1.7b-Q4_K_M.gguf --points 1:4,4:8,16:32
 """
 
 from __future__ import annotations
@@ -70,6 +73,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def peak_rss_mib(pid: int) -> float | None:
+    """The process's peak resident memory so far (VmHWM), MiB; None where /proc does not say."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def start_llama(binary: Path, gguf: Path, streams: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(streams),
@@ -80,16 +94,16 @@ def start_llama(binary: Path, gguf: Path, streams: int) -> tuple[subprocess.Pope
     return proc, url
 
 
-async def drive(url: str, work: list[tuple[Prompt, int]], streams: int) -> dict:
+async def drive(url: str, work: list[tuple[Prompt, int]], streams: int, model: str = MODEL) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(900, connect=10)) as client:
-        warm = await client.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+        warm = await client.post(url + "/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 2})
         warm.raise_for_status()
         sem = asyncio.Semaphore(streams)
 
         async def one(prompt: Prompt, max_tokens: int):
             async with sem:
-                return await send_request(client, url, MODEL, prompt, max_tokens, True)
+                return await send_request(client, url, model, prompt, max_tokens, True)
 
         start = time.perf_counter()
         results = await asyncio.gather(*(one(p, m) for p, m in work))
@@ -98,23 +112,26 @@ async def drive(url: str, work: list[tuple[Prompt, int]], streams: int) -> dict:
 
 
 def run_point(server: str, streams: int, requests: int, work, flags: list[str], binary: Path | None,
-              gguf: Path) -> dict:
+              gguf: Path, model: str = MODEL) -> dict:
+    """One server on one point; `model` names the GGUF's model (paged-serve serves it under its
+    file's stem unless it is the default model, which paged-serve serves with no argument)."""
     if server == "paged-serve":
-        proc, url = start_server(flags)
+        proc, url = start_server(flags if model == MODEL else [str(gguf), *flags])
     else:
         proc, url = start_llama(binary, gguf, streams)
     try:
-        metrics = asyncio.run(drive(url, work[:requests], streams))
+        metrics = asyncio.run(drive(url, work[:requests], streams, model))
+        rss = peak_rss_mib(proc.pid)
     finally:
         proc.terminate()
         proc.wait(60)
-    return {"server": server, "streams": streams, "requests": requests, **metrics}
+    return {"server": server, "streams": streams, "requests": requests, "peak_rss_mib": rss, **metrics}
 
 
 def row(m: dict) -> str:
     return (f"{m['server']:<12} {m['streams']:>7} {m['completed']:>4}/{m['requests']:<4} "
             f"{m['output_throughput']:>9.1f} {m['ttft_ms']['p50']:>9.0f} {m['itl_ms']['p50']:>8.0f} "
-            f"{m['itl_ms']['p99']:>8.0f}")
+            f"{m['itl_ms']['p99']:>8.0f} {m['peak_rss_mib'] or 0:>9.0f}")
 
 
 def plot(points: list[dict], path: str) -> None:
@@ -142,7 +159,8 @@ def plot(points: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     own, flags = split_server_flags(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--points", default="16:64,64:128", help="streams:requests pairs")
+    p.add_argument("--points", default="1:8,4:16,16:64,64:128", help="streams:requests pairs")
+    p.add_argument("--model", help="a GGUF file (default: the default model's); both servers load it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llama-server", help="the binary (default: $LLAMA_SERVER, PATH, or build it)")
     p.add_argument("--json", help="write all points as JSON")
@@ -154,20 +172,25 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from engine.models.loader import default_gguf_path, resolve_model
+    from engine.models.loader import default_gguf_path
 
-    gguf = default_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None)[0])
+    from engine.models.loader import gguf_tokenizer_dir
+
+    gguf = Path(args.model) if args.model else default_gguf_path()
+    model = MODEL if args.model is None else gguf.stem
+    tokenizer = AutoTokenizer.from_pretrained(gguf_tokenizer_dir(gguf))
     binary = ensure_llama_server(args.llama_server) if "llama-server" in servers else None
     pairs = [tuple(int(x) for x in point.split(":")) for point in args.points.split(",")]
     work = make_workload(max(r for _, r in pairs), args.seed, tokenizer)
     print(f"paged-serve flags: {flags or '(defaults)'}; llama-server: {binary}; cores: {os.cpu_count()}")
-    print(f"{'server':<12} {'streams':>7} {'ok':>9} {'out tok/s':>9} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p99':>8}")
+    print(f"model: {gguf}")
+    print(f"{'server':<12} {'streams':>7} {'ok':>9} {'out tok/s':>9} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p99':>8} "
+          f"{'RSS MiB':>9}")
     points = []
     for streams, requests in pairs:
         pair = []
         for server in servers:
-            m = run_point(server, streams, requests, work, flags, binary, gguf)
+            m = run_point(server, streams, requests, work, flags, binary, gguf, model)
             print(row(m), flush=True)
             pair.append(m)
         if len(pair) == 2:
@@ -175,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'ratio':<12} {streams:>7} {'':>9} {ratio:>8.2f}x")
         points.extend(pair)
     if args.json:
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "flags": flags,
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "flags": flags, "model": str(gguf),
                                                "points": points}, indent=2) + "\n")
     if args.plot and len(servers) == 2:
         plot(points, args.plot)

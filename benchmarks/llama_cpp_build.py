@@ -7,6 +7,8 @@ package registry (no other network is needed), and CMake builds the `llama-serve
 About 10 minutes on 2 cores.
 
     python -m benchmarks.llama_cpp_build          # prints the binary's path, building it if needed
+
+`build_target` builds the tree's other tools (llama-quantize, llama-perplexity) when asked.
 """
 
 from __future__ import annotations
@@ -88,6 +90,21 @@ def build_llama_server(version: str = SDIST_VERSION, jobs: int | None = None) ->
     if not binary.is_file():
         raise SystemExit(f"the build finished but {binary} is missing")
     _stamp(build).write_text(_stamp_text())
+    return binary
+
+
+def build_target(target: str, jobs: int | None = None) -> Path:
+    """Another tool of the same build tree (`llama-quantize`, `llama-perplexity`), built once
+    the tree is configured (by `build_llama_server`); returns its path."""
+    build = cache_dir() / "build"
+    binary = build / "bin" / target
+    if binary.is_file():
+        return binary
+    if not _configured_as_today(build):
+        build_llama_server(jobs=jobs)
+    _run(["cmake", "--build", str(build), "--target", target, "-j", str(jobs or os.cpu_count() or 2)])
+    if not binary.is_file():
+        raise SystemExit(f"the build finished but {binary} is missing")
     return binary
 
 
