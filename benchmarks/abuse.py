@@ -125,6 +125,7 @@ def cases() -> dict[str, tuple[str, str, object]]:
     comp = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     tool = {"type": "function", "function": {"parameters": {"type": "object"}}}
+    long = {"model": MODEL, "prompt": echo_logprobs_body(480)["prompt"]}  # 480 of the 512-token context
     return {
         "n16_outgrows_pool": ("KV pressure", "/v1/completions",
                               {"model": MODEL, "prompt": "Hello", "n": 16, "max_tokens": 60, "ignore_eos": True}),
@@ -133,6 +134,12 @@ def cases() -> dict[str, tuple[str, str, object]]:
                                                                      "use_beam_search": True, "temperature": 0,
                                                                      "max_tokens": 400}),
         "echo_logprobs_near_context_limit": ("sizes", "/v1/completions", echo_logprobs_body()),
+        "beams_on_a_long_prompt": ("sizes", "/v1/completions", {**long, "n": 4, "best_of": 4, "use_beam_search": True,
+                                                                "temperature": 0, "max_tokens": 8}),
+        "best_of_16_on_a_long_prompt": ("sizes", "/v1/completions", {**long, "n": 2, "best_of": 16, "max_tokens": 8}),
+        "json_schema_on_a_long_prompt": ("sizes", "/v1/completions", {**long, "max_tokens": 16, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+                "a": {"type": "string"}, "b": {"type": "array", "items": {"type": "integer"}}}}}}}),
         "top_p_1e-300": ("numbers", "/v1/completions", {**comp, "top_p": 1e-300}),
         "temperature_1e308": ("numbers", "/v1/completions", {**comp, "temperature": 1e308}),
         "repetition_penalty_1e308": ("numbers", "/v1/completions", {**comp, "repetition_penalty": 1e308}),

@@ -199,8 +199,10 @@ def test_server_serves_a_long_prompt_with_chunked_prefill(make_llm, cases):
 
     (ids, new) = cases[2]
     want = make_llm(block_size=16, **CHUNKED).generate([ids], greedy(new))[0].outputs[0]
-    # NOTE: --dtype float32 as the in-process engine (tests/engine/conftest.py): auto may be bf16 here
-    server = start_server("--dtype", "float32", "--enable-chunked-prefill", "--max-num-batched-tokens", "64",
+    # NOTE: --dtype float32 and --quantization none as the in-process engine (tests/engine/conftest.py):
+    # auto may be bf16 here, and keeps the GGUF quantized
+    server = start_server("--dtype", "float32", "--quantization", "none", "--enable-chunked-prefill",
+                          "--max-num-batched-tokens", "64",
                           "--max-model-len", "2048",
                           "--kv-cache-memory", "128MiB", "--no-enable-prefix-caching",
                           "--disable-uvicorn-access-log", "--log-level", "warning")

@@ -14,7 +14,7 @@ import pytest
 
 from tests.server.conftest import start_server
 
-FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--swap-space", "0.02",
+FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--swap-space", "0.02", "--quantization", "none",
          "--log-level", "warning", "--disable-uvicorn-access-log"]
 ENV = {"PAGED_SERVE_TP_TIMEOUT": "20"}
 
