@@ -88,7 +88,7 @@ class LiveServer:
 
 def stream_completion(url: str, model: str, prompt: str, max_tokens: int) -> dict:
     """One streaming completion, read to the end; returns its final usage block."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     usage = None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:

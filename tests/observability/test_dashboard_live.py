@@ -10,7 +10,7 @@ PROMPTS = ["Write a long story about a lighthouse keeper who",
            "List the planets of the solar system and describe",
            "Explain how a steam engine works, step by step,",
            "Describe the rules of chess in detail, starting with"]
-MAX_TOKENS = 24
+MAX_TOKENS = 200  # NOTE: long enough to be seen running at 250 ms polls: a quantized step is a few ms
 IN_USE = "document.querySelectorAll('#device-grid .block.used, #device-grid .block.shared').length"
 
 

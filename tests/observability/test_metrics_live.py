@@ -12,7 +12,7 @@ from tests.observability.obs_support import run_in_threads, stream_completion
 
 PROMPTS = ["The history of the printing press", "A recipe for lemon cake",
            "Why the sky is blue", "How bicycles stay upright"]
-MAX_TOKENS = 32
+MAX_TOKENS = 200  # NOTE: long enough to be scraped while running: a quantized step is a few ms
 
 
 def scrape(url: str) -> dict[str, float]:
