@@ -69,6 +69,10 @@ def convert(hf_dir: Path, out: Path) -> Path:
     if target.exists():
         return target
     src = llama_cpp_source()
+    try:
+        import sentencepiece  # noqa: F401 (convert_hf_to_gguf.py imports it at the top)
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "sentencepiece"], check=True)
     env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
     subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "bf16",
                     "--outfile", str(target)], check=True, env=env)
