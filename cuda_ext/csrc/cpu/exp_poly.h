@@ -35,4 +35,23 @@ inline float exp_poly(float x) {
 // than ~1e-37).
 inline float exp_clamped(float x) { return exp_poly(std::min(std::max(x, -87.0f), 88.0f)); }
 
+// exp(x) for x <= 0: Cephes' expf (range reduction by ln 2, degree-5 polynomial), within a few
+// ulp of std::exp; 0 below -87 (where float32 exp is denormal or 0). NOTE: std::exp does not
+// vectorise without -ffast-math; this does, under `omp simd`.
+inline float exp_nonpositive(float x) {
+  const float y = x < -87.0f ? -87.0f : x;
+  // round to nearest by the 1.5 * 2^23 trick (std::floor would not vectorise here)
+  const float n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = y - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
+  return x < -87.0f ? 0.f : p * __builtin_bit_cast(float, bits);
+}
+
 }  // namespace paged_serve::cpu

@@ -11,6 +11,7 @@
 // no finite logit: the caller settles those rows (more rounds, the exact cut-off, fallbacks).
 
 #include "cpu_ops.h"
+#include "exp_poly.h"
 
 #include <ATen/Parallel.h>
 
@@ -26,25 +27,6 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kBlock = 64;  // tokens per partial sum of the CDF walk
-
-// exp(x) for x <= 0: Cephes' expf (range reduction by ln 2, degree-5 polynomial), within a few
-// ulp of std::exp; 0 below -87 (where float32 exp is denormal or 0). NOTE: std::exp does not
-// vectorise without -ffast-math; this does, under `omp simd`.
-inline float exp_nonpositive(float x) {
-  const float y = x < -87.0f ? -87.0f : x;
-  // round to nearest by the 1.5 * 2^23 trick (std::floor would not vectorise here)
-  const float n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = y - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
-  return x < -87.0f ? 0.f : p * __builtin_bit_cast(float, bits);
-}
 
 void check_vector(const at::Tensor& t, const char* name, int64_t rows, at::ScalarType type) {
   PS_CHECK(t.device().is_cpu() && t.dim() == 1 && t.size(0) == rows && t.is_contiguous() && t.scalar_type() == type,

@@ -13,6 +13,7 @@
 // and the caller scores it the torch way (whose NaN semantics it keeps).
 
 #include "cpu_ops.h"
+#include "exp_poly.h"
 
 #include <ATen/Parallel.h>
 
@@ -27,22 +28,6 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kChunk = 64;  // logits per top-k candidate test (one max over the chunk)
-
-// exp(x) for x <= 0 (as sampling.cpp's): vectorises under `omp simd`, where std::exp does not.
-inline float exp_nonpositive(float x) {
-  const float y = x < -87.0f ? -87.0f : x;
-  const float n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = y - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return x < -87.0f ? 0.f : p * __builtin_bit_cast(float, bits);
-}
 
 // The k best (value, index) pairs seen so far, largest first; an equal value goes after those
 // already held (so ties keep the lower index first, the row being read in order).
