@@ -202,8 +202,8 @@ class StepPlan:
                 if decode and self._caught_up(seq):
                     self._decode(seq, group, seq.num_uncomputed_tokens)
             elif prefill:
-                chunks = self.chunked
-                n = self._chunk_size(seq, self.prefill_budget(group, oldest)) if chunks else seq.num_uncomputed_tokens
+                n = (self._chunk_size(seq, self.prefill_budget(group, oldest)) if self.chunked
+                     else seq.num_uncomputed_tokens)
                 if beams:
                     n = min(n, seq.num_uncomputed_tokens - 1)
                 if 0 < n <= self.tokens and self._caught_up(seq):

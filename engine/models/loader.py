@@ -100,10 +100,18 @@ def gguf_tokenizer_dir(gguf: Path) -> Path:
     target = cache_dir() / "gguf-tokenizer" / f"{gguf.stem}-{_file_key(gguf)}"
     if (target / "tokenizer_config.json").exists():
         return target
+    _publish(target, lambda tmp: AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp))
+    return target
+
+
+def _publish(target: Path, write) -> None:
+    """Make the cache directory `target` by `write(tmp)` into a fresh directory beside it, then
+    one rename, so that no process ever sees a half-written one; if another process published
+    it first, theirs is kept. A failure leaves nothing behind."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
     try:
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        write(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process finished first: keep theirs
@@ -111,7 +119,6 @@ def gguf_tokenizer_dir(gguf: Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return target
 
 
 def convert_gguf(gguf: Path) -> Path:
@@ -123,9 +130,8 @@ def convert_gguf(gguf: Path) -> Path:
 
     logger.info("dequantizing %s once into %s (later starts reuse it)", gguf.name, target)
     t0 = time.perf_counter()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # NOTE: transformers refuses save_pretrained on a GGUF-loaded model, so the dequantized
@@ -140,13 +146,8 @@ def convert_gguf(gguf: Path) -> Path:
         config["dtype"] = "float32"
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tok.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process finished first: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    _publish(target, write)
     logger.info("dequantized %s in %.1f s", gguf.name, time.perf_counter() - t0)
     return target
 
