@@ -241,7 +241,7 @@ class EngineArgs:
             # NOTE: weights kept quantized: the dtype is the activations' and the KV cache's, and
             # the dense layers' timing probe says nothing of the quantized kernels (while its
             # weights of every dense shape would raise the peak memory by ~140 MB for a 135M model)
-            bf16 = linear_kernel.onednn_supported(torch.device("cpu"), torch.bfloat16)
+            bf16 = linear_kernel.native_bf16()
             dtype = torch.bfloat16 if bf16 else torch.float32
             logger.info("dtype auto: %s (quantized weights; %s)", str(dtype).removeprefix("torch."),
                         "this CPU computes bf16 natively: half the KV cache's bytes" if bf16

@@ -206,6 +206,8 @@ def _rope_inv_freq(hf_config, head_size: int) -> tuple[torch.Tensor, float]:
         return inv, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    if hasattr(hf_config, "to_transformers"):  # a GGUF's plain config: the initialisers want HF's
+        hf_config = hf_config.to_transformers()
     # NOTE: on the CPU whatever the default device: some initialisers make tensors without one,
     # and one built on the meta device (a model built without memory) has no values to read
     with torch.device("cpu"):

@@ -127,6 +127,14 @@ def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX), from torch's CPU feature
+    checks. NOTE: not `onednn_supported`: its probe starts oneDNN, ~20 MB of resident memory
+    that a model whose linear layers are all quantized never uses otherwise."""
+    cpu = getattr(torch, "cpu", None)
+    return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
 def reduced_precision_is_slow(device: torch.device, dtype: torch.dtype) -> bool:
     """bf16 / fp16 on a CPU that cannot multiply in it natively (oneDNN refuses to pack it), where
     torch's matmuls convert to fp32 on the fly: measured on an AVX2 EPYC at the SmolLM2 shapes,

@@ -153,13 +153,13 @@ def convert_gguf(gguf: Path) -> Path:
 
 
 def load_hf_config(path: str):
-    from transformers import AutoConfig, LlamaConfig
-
     p = Path(path)
     if is_gguf(path):
         from engine.models.gguf_file import GGUFFile
 
         return GGUFFile.open(p).hf_config()
+    from transformers import AutoConfig, LlamaConfig
+
     if p.is_file():  # a dummy-weights config JSON
         data = json.loads(p.read_text())
         data.pop("model_type", None)
