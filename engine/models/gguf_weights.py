@@ -111,9 +111,7 @@ def _build(f: GGUFFile, mc, device: torch.device) -> nn.Module:
     why_dense = kernels_unavailable(device) if mc.quantization != "none" else "--quantization none"
     keep = why_dense is None
     requantize = mc.quantization if keep and mc.quantization in QUANTIZE_TYPES else None
-    with torch.device("meta"):
-        model = model_class(hf)(hf, mc.max_model_len)
-    model.to(dtype=dtype)
+    model = _skeleton(hf, mc.max_model_len, device)
     kept, dense = Counter(), Counter()
     dense_groups = []
     for g in linear_groups(hf, f.arch):
@@ -153,6 +151,7 @@ def _build(f: GGUFFile, mc, device: torch.device) -> nn.Module:
     elif output is not None:
         dense[output.qtype] += 1
 
+    model.to(dtype=dtype)  # NOTE: after the swap, so only what stays dense is converted (and touched)
     _materialize(model, device)
     with torch.no_grad():
         _fill_dense(f, model, dense_groups, norm_tensors(hf), tied)
@@ -190,6 +189,20 @@ def _dense(f: GGUFFile, names: tuple[str, ...], heads: tuple[int | None, ...]) -
         t = f.dense(name)
         parts.append(t[torch.from_numpy(unpermute_rows(t.shape[0], h))] if h else t)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _skeleton(hf, max_model_len: int, device: torch.device) -> nn.Module:
+    """The model with its weights not yet read: on the CPU, built for real with uninitialised
+    (`torch.empty`, so never-touched) weights, which the kept layers then replace; elsewhere on
+    the meta device, materialized on `device` after the swap.
+
+    NOTE: not the meta device on the CPU: the first tensor made under `torch.device("meta")` in
+    a process imports torch's Python meta kernels and with them torch._dynamo, sympy and
+    torch.distributed.tensor, ~80 MB of resident memory for the life of the server."""
+    if device.type == "cpu":
+        return model_class(hf)(hf, max_model_len)
+    with torch.device("meta"):
+        return model_class(hf)(hf, max_model_len)
 
 
 def _replace(model: nn.Module, dotted: str, module: nn.Module) -> None:
@@ -236,7 +249,8 @@ def _fill_dense(f: GGUFFile, model: nn.Module, groups: list[TensorGroup], norms:
 
 
 def _reset_rotary(model: nn.Module, hf, max_positions: int) -> None:
-    """The rotary tables, which a model built on the meta device has not computed."""
+    """The rotary tables, which a model built on the meta device has not computed (and which
+    `model.to(dtype)` rounded)."""
     head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     fresh = None
     for m in model.modules():

@@ -132,12 +132,15 @@ class VocabParallelEmbedding(nn.Module):
         self.shard = (vocab_size + self.tp_size - 1) // self.tp_size
         self.start = self.tp_rank * self.shard
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.zeros(self.shard, dim), requires_grad=False)
+        # NOTE: empty, not zeros: a quantized table replaces it before it is ever touched, and
+        # a dense one is written whole by the loader (zero rows past the vocabulary included)
+        self.weight = nn.Parameter(torch.empty(self.shard, dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         part = loaded[self.start : self.start + self.shard]
         param[: part.shape[0]].copy_(part)
+        param[part.shape[0]:].zero_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
