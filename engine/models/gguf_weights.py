@@ -34,7 +34,14 @@ from torch import nn
 from engine.models.gguf_file import PERMUTED_QK, GGUFFile
 from engine.models.layers import RotaryEmbedding
 from engine.models.llama import model_class
-from engine.models.quant_linear import QUANTIZE_TYPES, QuantEmbedding, QuantLinear, QuantLMHead
+from engine.models.quant_linear import (
+    QUANTIZE_TYPES,
+    QuantEmbedding,
+    QuantLinear,
+    QuantLMHead,
+    log_fallbacks,
+    quantize_to,
+)
 from engine.models.quant_ops import qops
 
 logger = logging.getLogger(__name__)
@@ -112,7 +119,7 @@ def _build(f: GGUFFile, mc, device: torch.device) -> nn.Module:
     keep = why_dense is None
     requantize = mc.quantization if keep and mc.quantization in QUANTIZE_TYPES else None
     model = _skeleton(hf, mc.max_model_len, device)
-    kept, dense = Counter(), Counter()
+    kept, dense, fallbacks = Counter(), Counter(), Counter()
     dense_groups = []
     for g in linear_groups(hf, f.arch):
         types = [f.tensors[n].qtype for n in g.tensors]
@@ -121,7 +128,7 @@ def _build(f: GGUFFile, mc, device: torch.device) -> nn.Module:
             packed = qops.quant_pack([(_bytes(f, n, h), t) for n, h, t in zip(g.tensors, g.permuted_heads, types)])
             kept.update(types)
         elif requantize:
-            packed = qops.quantize_weight(_dense(f, g.tensors, g.permuted_heads), requantize)
+            packed = quantize_to(_dense(f, g.tensors, g.permuted_heads), requantize, fallbacks)
             dense.update(types)
         else:
             dense_groups.append(g)
@@ -151,6 +158,8 @@ def _build(f: GGUFFile, mc, device: torch.device) -> nn.Module:
     elif output is not None:
         dense[output.qtype] += 1
 
+    if requantize:
+        log_fallbacks(requantize, fallbacks)
     model.to(dtype=dtype)  # NOTE: after the swap, so only what stays dense is converted (and touched)
     _materialize(model, device)
     with torch.no_grad():

@@ -59,3 +59,31 @@ CASES = [
     (470, 32, 120),
     (600, 32, 260),
 ]
+
+# A second passage: TEXT + MORE_TEXT is over 1,000 tokens, the fixed text the quantized models
+# are scored on (tests/engine/test_gguf_quant.py, benchmarks/quant_quality.py).
+MORE_TEXT = (
+    " Music is one of the oldest ways people have found to share a feeling. Long before anyone wrote notes "
+    "on paper, shepherds played simple flutes cut from reeds, and villages gathered to sing at harvest time. "
+    "A melody passed from parent to child, changing a little with every voice that carried it. When printing "
+    "arrived, songs could travel much further, and a tune written in one city might be played in another a "
+    "year later. Orchestras grew larger, instruments grew louder, and concert halls were built to hold the "
+    "sound. Trains changed the way people thought about distance. A journey that once took a week by coach "
+    "could be finished in a single day, and towns that had been far apart became neighbours. Railway "
+    "companies laid tracks across plains, cut tunnels through mountains and built bridges over wide rivers. "
+    "Because every town had kept its own local time, the railways needed a shared timetable, and so the "
+    "hours themselves were standardised across whole countries. The moon has always attracted curious eyes. "
+    "Early observers noticed that it changed its shape through a regular cycle of about four weeks, and many "
+    "calendars were built on that cycle. With the first telescopes, astronomers saw mountains and craters and "
+    "wide grey plains that they called seas, although there is no water in them. Much later, rockets carried "
+    "people across the empty space between the earth and the moon, and they walked on its dusty surface, "
+    "collected stones and returned safely home. Libraries keep the memory of a community. A good library is "
+    "quiet but never empty: students prepare for examinations, older readers look through newspapers, and "
+    "children sit on the floor with picture books. Catalogues once filled drawers of paper cards; now they "
+    "are searched on a screen, but the idea is unchanged. Every book has a place, and anyone may come in. "
+    "Bridges are promises made in stone and steel. An engineer who designs one must think about the weight of "
+    "the traffic, the force of the wind, the slow push of the river against the piers and the way metal grows "
+    "longer on a hot afternoon. Old bridges were built of timber or of carefully cut blocks that held each "
+    "other up in an arch; later ones hang from cables stretched between tall towers. People who cross them "
+    "every day rarely think about any of this, which is exactly what the engineer hoped for."
+)

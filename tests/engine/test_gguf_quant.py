@@ -4,10 +4,8 @@ weights equal to the dequantized checkpoint's; greedy output and next-token dist
 to the dequantized model's; tiny GGUFs written as llama.cpp writes them equal HF's logits; bad
 files stop start-up with one line; --quantization on an fp checkpoint; tensor parallelism refused.
 
-NOTE: the quality bounds were measured with the pure-torch stand-in kernels
-(engine/models/_quant_standin.py: 8-bit activations per 32 / 256 values, as llama.cpp's): mean
-KL 0.0028, top-1 agreement 96.7% over 1,061 tokens; greedy agreement on 5 to 24 first tokens of
-24. Re-measure them on the compiled kernels."""
+The quality bounds (QUALITY_BOUNDS) were measured on the compiled kernels; llama.cpp's own figures
+for the same files are in the README (benchmarks/quant_quality.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from benchmarks.quant_quality import kl_and_top1, prompt_logits
 from engine.config import EngineArgs
 from engine.executor import create_executor
 from engine.model_runner import ModelRunner, SeqInput, StepInput
@@ -29,7 +28,7 @@ from engine.models import decoder_stack
 from engine.models.gguf_file import GGUFError
 from engine.models.gguf_weights import unpermute_rows
 from engine.models.layers import ColumnParallelLinear, RowParallelLinear
-from engine.models.loader import default_gguf_path
+from engine.models.loader import convert_gguf, default_gguf_path
 from engine.models.quant_linear import (
     QuantEmbedding,
     QuantLinear,
@@ -40,37 +39,12 @@ from engine.models.quant_linear import (
 from engine.models.quant_ops import BLOCK, qops
 from engine.sampling_params import SamplingParams
 from server.cli import parse_args
-from tests.engine.prompts import TEXT
+from tests.engine.prompts import MORE_TEXT, TEXT
 from tests.engine.tiny_gguf import gguf_dequantized, llama_cpp_permute, tiny_hf_model, write_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 # (offset of an f16 scale in a block) per type: random blocks get finite scales there
 _F16_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
-MORE_TEXT = (
-    " Music is one of the oldest ways people have found to share a feeling. Long before anyone wrote notes "
-    "on paper, shepherds played simple flutes cut from reeds, and villages gathered to sing at harvest time. "
-    "A melody passed from parent to child, changing a little with every voice that carried it. When printing "
-    "arrived, songs could travel much further, and a tune written in one city might be played in another a "
-    "year later. Orchestras grew larger, instruments grew louder, and concert halls were built to hold the "
-    "sound. Trains changed the way people thought about distance. A journey that once took a week by coach "
-    "could be finished in a single day, and towns that had been far apart became neighbours. Railway "
-    "companies laid tracks across plains, cut tunnels through mountains and built bridges over wide rivers. "
-    "Because every town had kept its own local time, the railways needed a shared timetable, and so the "
-    "hours themselves were standardised across whole countries. The moon has always attracted curious eyes. "
-    "Early observers noticed that it changed its shape through a regular cycle of about four weeks, and many "
-    "calendars were built on that cycle. With the first telescopes, astronomers saw mountains and craters and "
-    "wide grey plains that they called seas, although there is no water in them. Much later, rockets carried "
-    "people across the empty space between the earth and the moon, and they walked on its dusty surface, "
-    "collected stones and returned safely home. Libraries keep the memory of a community. A good library is "
-    "quiet but never empty: students prepare for examinations, older readers look through newspapers, and "
-    "children sit on the floor with picture books. Catalogues once filled drawers of paper cards; now they "
-    "are searched on a screen, but the idea is unchanged. Every book has a place, and anyone may come in. "
-    "Bridges are promises made in stone and steel. An engineer who designs one must think about the weight of "
-    "the traffic, the force of the wind, the slow push of the river against the piers and the way metal grows "
-    "longer on a hot afternoon. Old bridges were built of timber or of carefully cut blocks that held each "
-    "other up in an arch; later ones hang from cables stretched between tall towers. People who cross them "
-    "every day rarely think about any of this, which is exactly what the engineer hoped for."
-)
 
 
 def random_blocks(qtype: str, rows: int, k: int, seed: int) -> torch.Tensor:
@@ -191,30 +165,40 @@ def test_quantized_greedy_output_matches_the_dequantized_models_first_tokens(mak
     assert min(agree) >= 2 and sum(agree) >= 0.5 * 24 * len(prompts), agree
 
 
-def _prompt_logits(llm, ids: list[int]) -> torch.Tensor:
-    """The full next-token logits at prompt positions 0 .. n-2, read as the runner scores the
-    prompt (prompt_logprobs): its LM-head calls after the first (the last token's) are those rows."""
-    model = llm.engine.executor.runner.model
-    seen, compute = [], model.compute_logits
-    model.compute_logits = lambda h: seen.append(compute(h).float()) or seen[-1]
-    try:
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
-    finally:
-        del model.compute_logits
-    return torch.cat(seen[1:])
+# measured here (Zen 4, compiled kernels, fp32 activations rounded to 8 bits) over these 1,061 tokens,
+# mean KL / top-1: auto (the file's own Q4_1) 0.0027 / 0.969; its dequantized checkpoint quantized by
+# our quantizer: q8_0 0.0031 / 0.966, q4_k 0.0082 / 0.949 (576-wide rows fall back to q8_0, as
+# llama-quantize falls back), q4_0 0.29 / 0.686 (Q4_1's weights rounded again to a symmetric grid:
+# llama-perplexity measures 0.31 / 0.682 on llama.cpp's own Q4_0 of them, benchmarks/quant_quality.py).
+QUALITY_BOUNDS = {"auto": (0.01, 0.93), "q8_0": (0.01, 0.93), "q4_k": (0.03, 0.9), "q4_0": (0.45, 0.6)}
 
 
-def test_quantized_next_token_distributions_stay_close_to_the_dequantized_models(make_llm):
-    quant = make_llm(quantization="auto", max_num_batched_tokens=2048)
-    dense = make_llm(max_num_batched_tokens=2048)
-    ids = quant.tokenizer(TEXT + MORE_TEXT, add_special_tokens=False).input_ids
-    assert len(ids) >= 1000
-    lq, ld = _prompt_logits(quant, ids).log_softmax(-1), _prompt_logits(dense, ids).log_softmax(-1)
-    assert lq.shape == ld.shape == (len(ids) - 1, 49152)
-    kl = (ld.exp() * (ld - lq)).sum(-1)
-    top1 = (lq.argmax(-1) == ld.argmax(-1)).float().mean().item()
-    # measured (stand-in kernels): mean KL 0.0028 (max 0.037), top-1 agreement 0.967
-    assert kl.mean().item() < 0.01 and top1 > 0.93, (kl.mean().item(), top1)
+_REFERENCE: dict[str, tuple] = {}
+
+
+@pytest.fixture
+def dense_reference_logits(make_llm):
+    """The dequantized model's logits over the fixed text, computed once per session."""
+    if not _REFERENCE:
+        dense = make_llm(max_num_batched_tokens=2048)
+        ids = dense.tokenizer(TEXT + MORE_TEXT, add_special_tokens=False).input_ids
+        assert len(ids) >= 1000
+        _REFERENCE["fp32"] = ids, prompt_logits(dense, ids)
+    return _REFERENCE["fp32"]
+
+
+@pytest.mark.parametrize("quantization", list(QUALITY_BOUNDS))
+def test_quantized_next_token_distributions_stay_close_to_the_dequantized_models(
+        make_llm, dense_reference_logits, quantization):
+    """auto: the file's own Q4_1 blocks; q8_0 / q4_k / q4_0: its dequantized checkpoint quantized
+    at load by our own quantizer (--quantization on an fp checkpoint)."""
+    ids, reference = dense_reference_logits
+    model = {} if quantization == "auto" else {"model": str(convert_gguf(default_gguf_path()))}
+    logits = prompt_logits(make_llm(quantization=quantization, max_num_batched_tokens=2048, **model), ids)
+    assert logits.shape == reference.shape == (len(ids) - 1, 49152)
+    kl, top1 = kl_and_top1(reference, logits)
+    max_kl, min_top1 = QUALITY_BOUNDS[quantization]
+    assert kl < max_kl and top1 > min_top1, (quantization, kl, top1)
 
 
 def test_prefix_caching_and_preemption_run_on_quantized_weights(make_llm):
@@ -358,3 +342,16 @@ def test_tensor_parallelism_refuses_quantized_weights_before_starting_workers(tm
     with pytest.raises(ValueError, match="quantized GGUF weights are not sharded across ranks yet; "
                                          "use --quantization none"):
         create_executor(config)
+
+
+def test_k_quant_rows_not_whole_blocks_fall_back_to_q8_0_and_are_counted():
+    from collections import Counter
+
+    from engine.models.quant_linear import quantize_to
+
+    fallbacks = Counter()
+    narrow = quantize_to(torch.randn(64, 576), "q4_k", fallbacks)  # 576 = 2.25 blocks of 256
+    wide = quantize_to(torch.randn(64, 512), "q4_k", fallbacks)
+    assert [t for t, _ in qops.quant_info(narrow)[2]] == ["q8_0"]
+    assert [t for t, _ in qops.quant_info(wide)[2]] == ["q4_k"]
+    assert fallbacks == Counter({576: 1})
