@@ -1,7 +1,8 @@
 """Build the CPU image with podman and serve one completion from it (opt-in: -m container).
 
-Needs rootful podman (and podman-compose for the compose tests) and a local `python:3.11-slim`
-image; the image then builds with no pull and runs on loopback.
+Needs rootful podman (and podman-compose for the compose tests); scripts/container_base.sh makes
+the base image `python:3.11-slim` available (pulled, or built from Debian where no registry is
+reachable), so the image then builds with no pull and runs on loopback.
 Slow (minutes: the first build downloads the Python dependencies): run it on its own,
     python -m pytest -m container tests/deploy -q
 Where a CPU torch wheel lies in $PAGED_SERVE_TORCH_WHEELS (default /opt/wheels), the build
@@ -26,7 +27,7 @@ from server.observability import METRIC_FAMILIES
 pytestmark = pytest.mark.container
 
 ROOT = Path(__file__).resolve().parents[2]
-PREPARE = ROOT.parent / "shared" / "container" / "prepare.sh"
+BASE_IMAGE_SCRIPT = ROOT / "scripts" / "container_base.sh"
 IMAGE = os.environ.get("PAGED_SERVE_IMAGE", "localhost/paged-serve:cpu")
 WHEELS = Path(os.environ.get("PAGED_SERVE_TORCH_WHEELS", "/opt/wheels"))
 HEALTH_TIMEOUT = 300.0
@@ -49,11 +50,9 @@ def build_args() -> list[str]:
 
 @pytest.fixture(scope="module")
 def image() -> str:
-    if not PREPARE.exists():
-        pytest.skip(f"no {PREPARE}")
-    run("bash", str(PREPARE), timeout=900)
     if shutil.which("podman") is None:
         pytest.skip("podman is not installed")
+    run("bash", str(BASE_IMAGE_SCRIPT), timeout=900)
     if os.environ.get("PAGED_SERVE_SKIP_BUILD") != "1":
         # NOTE: --format docker: the OCI image format has no HEALTHCHECK and podman drops it.
         run("podman", "build", "--isolation", "chroot", "--pull=never", "--format", "docker",
