@@ -22,7 +22,6 @@ def make_scheduler(num_blocks=64, cpu_blocks=64, block_size=4, max_seqs=8, max_t
 def group(rid: str, n_tokens: int, max_tokens: int = 4, t: float = 0.0, first: int = 1, **params) -> SequenceGroup:
     ids = list(range(first, first + n_tokens))
     g = SequenceGroup(rid, None, ids, SamplingParams(max_tokens=max_tokens, **params), t)
-    g.max_tokens = max_tokens
     return g
 
 
