@@ -89,10 +89,9 @@ def _on_engine_ready(ctx: ServerContext, llm: Any) -> None:
     ctx.model_name = config.served_model_name
     ctx.max_model_len = config.max_model_len
     ctx.vocab_size = len(llm.tokenizer) if llm.tokenizer is not None else config.hf_config.vocab_size
+    ctx.admission_limits = llm.admission_limits
     ctx.inputs = InputProcessor(llm.tokenizer, vocab_size=ctx.vocab_size, max_model_len=ctx.max_model_len,
-                                chat_template=ctx.settings.chat_template,
-                                max_prompt_tokens=ctx.settings.max_prompt_tokens_per_request,
-                                grammars=llm.structured_outputs)
+                                chat_template=ctx.settings.chat_template, grammars=llm.structured_outputs)
     _warm_structured_outputs(llm)
     ctx.generation_defaults, ctx.generation_config_file = load_generation_defaults(
         ctx.settings.generation_config, config.path)
