@@ -18,7 +18,7 @@ is added (engine/request_checks.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.admission import EngineRequest, admit as admit_prompt, check_not_empty
 from engine.request_error import RequestError
@@ -62,13 +62,17 @@ async def admit(ctx: ServerContext, req: CompletionRequest | ChatCompletionReque
     else:
         params = completion_params(req, settings, ctx.vocab_size, ctx.generation_defaults)
         texts = _check_prompts(source.prompts, settings.max_prompts_per_request)
-        prompts = await ctx.inputs.completion_prompts(texts, echo=source.echo)
+        prompts = await ctx.inputs.completion_prompts(texts)
     _check_total(prompts, settings.max_prompt_tokens_per_request, param)
     defaulted = max_tokens_defaulted(req)
 
     def engine_requests() -> list[EngineRequest]:
-        return [admit_prompt(p.token_ids, params, ctx.admission_limits, defaulted=defaulted, param=param,
-                             text=p.text) for p in prompts]
+        requests = [admit_prompt(p.token_ids, params, ctx.admission_limits, defaulted=defaulted, param=param,
+                                 text=p.text) for p in prompts]
+        if source.echo:  # NOTE: decoded once admitted: every id is in the vocabulary
+            requests = [r if r.text is not None else replace(r, text=ctx.inputs.prompt_text(r.token_ids))
+                        for r in requests]
+        return requests
 
     try:
         requests = await ctx.inputs.off_loop(engine_requests)

@@ -68,23 +68,22 @@ class InputProcessor:
         return self.tokenizer
 
     # ---------------------------------------------------------------- completions
-    async def completion_prompts(self, prompts: list[str | list[int]], echo: bool = False) -> list[Prompt]:
+    async def completion_prompts(self, prompts: list[str | list[int]]) -> list[Prompt]:
         """Token ids for each prompt (text is tokenized as the model's tokenizer does by
-        default); with `echo`, the text of token-id prompts too (ids out of the vocabulary are
-        left undecoded: admission refuses them)."""
+        default); a token-id prompt is taken as it is, its text None (`prompt_text`)."""
         if any(isinstance(p, str) for p in prompts):
             self._need_tokenizer()
 
-        def text_of(ids: list[int]) -> str | None:
-            if not echo or self.tokenizer is None or any(not 0 <= t < self.vocab_size for t in ids):
-                return None
-            return self.tokenizer.decode(ids)
-
         def work() -> list[Prompt]:
-            return [Prompt(self.tokenizer(p).input_ids, p) if isinstance(p, str) else Prompt(list(p), text_of(p))
+            return [Prompt(self.tokenizer(p).input_ids, p) if isinstance(p, str) else Prompt(list(p), None)
                     for p in prompts]
 
         return await self._run(work)
+
+    def prompt_text(self, token_ids: list[int]) -> str | None:
+        """The text of an admitted token-id prompt, for echo (worker thread); None without a
+        tokenizer."""
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
 
     async def with_grammars(self, prompts: list[EngineRequest], spec: Any, param: str | None,
                             plan: ToolPlan | None = None) -> list[EngineRequest]:
