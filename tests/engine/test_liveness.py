@@ -80,7 +80,6 @@ def make_group(w: World, i: int, r: Req) -> SequenceGroup:
                             use_beam_search=r.beam, temperature=0.0 if r.beam else 1.0,
                             prompt_logprobs=1 if r.prompt_logprobs else None)
     g = SequenceGroup(f"r{i}", None, ids, params, arrival_time=float(r.arrival))
-    g.max_tokens = r.max_tokens
     return g
 
 

@@ -38,7 +38,7 @@ def fake_step(sched: Scheduler):
             continue
         assert s.seq.num_uncomputed_tokens == 0
         s.seq.output_token_ids.append(99)
-        if len(s.seq.output_token_ids) >= s.group.max_tokens:
+        if len(s.seq.output_token_ids) >= s.group.params.max_tokens:
             s.seq.status = SequenceStatus.FINISHED_LENGTH
     finished = sched.free_finished()
     sched.block_manager.check_integrity()
