@@ -33,7 +33,7 @@ class Prompt:
     """One prompt, tokenized (not yet admitted: engine/admission.py checks it)."""
 
     token_ids: list[int]
-    text: str | None  # the prompt's text (given, rendered, or decoded from its ids for echo)
+    text: str | None  # the prompt's text (given or rendered; None for token ids: `prompt_text`)
 
 
 class InputProcessor:
@@ -54,9 +54,8 @@ class InputProcessor:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, fn: Callable[[], T], param: str = "prompt") -> T:
-        """`fn()` on a worker thread; its ValueError is a 400 (naming `param` when the error
-        names the prompt: chat's prompt is its "messages")."""
+    async def _run(self, fn: Callable[[], T]) -> T:
+        """`fn()` on a worker thread; its ValueError (a template's, the tokenizer's) is a 400."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
         except ValueError as exc:
@@ -127,7 +126,7 @@ class InputProcessor:
             text = self.render_chat(messages, plan)
             return Prompt(self.tokenizer(text, add_special_tokens=False).input_ids, text)
 
-        return await self._run(work, "messages")
+        return await self._run(work)
 
     # ---------------------------------------------------------------- /tokenize, /detokenize
     async def tokenize(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool,
