@@ -59,7 +59,7 @@ class InputProcessor:
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
         except ValueError as exc:
-            raise from_request_error(exc, param) from None
+            raise from_request_error(exc) from None
 
     def _need_tokenizer(self) -> Any:
         if self.tokenizer is None:
