@@ -88,7 +88,7 @@ class _KVSampler:
         bm = self.engine.block_manager
         running = 0
         for group in self.engine.scheduler.running:
-            final = len(group.prompt_token_ids) + group.max_tokens - 1  # the last token is never fed back
+            final = len(group.prompt_token_ids) + group.params.max_tokens - 1  # the last token is never fed back
             for seq in group.seqs_with_status(SequenceStatus.RUNNING):
                 held = len(bm.tables.get(seq.seq_id, ())) * bm.block_size
                 running += 1

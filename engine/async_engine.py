@@ -34,6 +34,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from engine.admission import EngineRequest
 from engine.engine_core import EngineCore
 from engine.metrics import EngineStats
 from engine.outputs import OutputKind, RequestOutput
@@ -174,9 +175,9 @@ class AsyncEngine(EngineThread):
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                           checked: bool = False, output_kind: OutputKind = OutputKind.CUMULATIVE,
                           prompt_text: str | None = None, grammar: Any = None) -> RequestStream:
-        """Add a request (token ids: the server's input processor tokenized it) and return its
-        output stream once the engine has accepted it. `prompt_text`, `grammar`, `output_kind`:
-        as `EngineCore.add_request` takes them.
+        """Add a request (token ids: the caller tokenized it), admitted on the engine thread
+        (`EngineCore.add_request`), and return its output stream once the engine has accepted
+        it. `prompt_text`, `grammar`, `output_kind`: as `EngineCore.add_request` takes them.
 
         Raises the engine's `ValueError` for bad input (nothing is left behind), or the
         errors of `check_accepting`. The caller must read the stream to its end or `abort()`.
@@ -184,6 +185,25 @@ class AsyncEngine(EngineThread):
         this one belongs to, so the queue bound is not applied again to each (a multi-prompt
         request is accepted or refused whole); the engine's state still is checked.
         """
+
+        def add(arrival: float) -> None:
+            self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival,
+                                    output_kind=output_kind, prompt_text=prompt_text, grammar=grammar)
+
+        return await self._add(request_id, add, checked)
+
+    async def add_admitted(self, request_id: str, request: EngineRequest, *, checked: bool = False,
+                           output_kind: OutputKind = OutputKind.CUMULATIVE) -> RequestStream:
+        """As `add_request`, for a request the caller admitted already (engine/admission.py,
+        against the engine's `admission_limits`, off the engine thread): the engine thread only
+        checks what needs its pool (`EngineCore.add_admitted`)."""
+
+        def add(arrival: float) -> None:
+            self.engine.add_admitted(request_id, request, arrival_time=arrival, output_kind=output_kind)
+
+        return await self._add(request_id, add, checked)
+
+    async def _add(self, request_id: str, add_to_engine: Callable[[float], None], checked: bool) -> RequestStream:
         if checked:
             self._check_state()
         else:
@@ -194,8 +214,7 @@ class AsyncEngine(EngineThread):
         arrival = time.monotonic()
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival,
-                                    output_kind=output_kind, prompt_text=prompt_text, grammar=grammar)
+            add_to_engine(arrival)
             self._live.add(request_id)
 
         try:

@@ -116,7 +116,7 @@ def beam_search_step(ctx: BeamContext, group: SequenceGroup, seq_rows: list[tupl
     for rank, c in enumerate(candidates):
         n_out = len(c.parent.output_token_ids) + 1
         is_stop = c.token_id in stop_ids
-        if is_stop or n_out >= group.max_tokens:
+        if is_stop or n_out >= group.params.max_tokens:
             # NOTE: HF only lets the best k candidates finish; the rest are a reserve of beams.
             if rank < k:
                 _add_hypothesis(ctx, state, group, c, raw, is_stop)
@@ -145,7 +145,7 @@ def _search_done(state: BeamState, group: SequenceGroup, next_beams: list[_Candi
     if p.early_stopping is True:
         return True
     if p.early_stopping == "never" and p.length_penalty > 0.0:
-        best_len = group.max_tokens
+        best_len = group.params.max_tokens
     else:
         best_len = len(next_beams[0].parent.output_token_ids) + 1
     best_possible = _normalized(next_beams[0].score, best_len, p.length_penalty)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from engine.admission import AdmissionLimits, EngineRequest
 from engine.metrics import EngineStats
 from engine.outputs import OutputKind, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -18,7 +19,17 @@ class EngineCore(Protocol):
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, output_kind: OutputKind = OutputKind.CUMULATIVE,
                     prompt_text: str | None = None, grammar: Any = None) -> None:
-        """Queue a request; ValueError for bad input (nothing is left behind)."""
+        """Admit (engine/admission.py) and queue a request; ValueError for bad input (nothing
+        is left behind)."""
+
+    @property
+    def admission_limits(self) -> AdmissionLimits:
+        """The model's limits on a prompt, for callers that admit requests themselves."""
+
+    def add_admitted(self, request_id: str, request: EngineRequest, arrival_time: float | None = None,
+                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
+        """Queue a request that passed `admit` against `admission_limits`; ValueError (nothing
+        left behind) if it cannot fit this engine's pool or widths."""
 
     def abort_request(self, request_id: str) -> None:
         """End a request and free its blocks now; unknown ids are ignored."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from engine.admission import admit
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.outputs import OutputKind, RequestOutput
@@ -30,7 +31,9 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. A single prompt may be a string or a token id list."""
+        """Outputs in the order of `prompts`. A single prompt may be a string or a token id list.
+        Raises ValueError (a `RequestError` naming the field: engine/admission.py) for a prompt
+        or settings the engine cannot run; then no prompt of the call is run."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -38,16 +41,25 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        ids = []
+        requests = []
         for prompt, p in zip(prompts, params):
-            rid = f"offline-{next(self._ids)}"
             text = prompt if isinstance(prompt, str) else None
             if text is not None:
                 if self.tokenizer is None:
                     raise ValueError("this model has no tokenizer (dummy weights): give token ids")
                 prompt = self.tokenizer(text).input_ids
-            self.engine.add_request(rid, prompt, p, output_kind=OutputKind.FINAL_ONLY, prompt_text=text)
-            ids.append(rid)
+            requests.append(admit(prompt, p, self.engine.admission_limits, text=text))
+        # NOTE: every prompt admitted before any is queued, and the queued ones aborted if the
+        # pool refuses a later one: a call that raises leaves nothing running.
+        ids = []
+        try:
+            for request in requests:
+                ids.append(f"offline-{next(self._ids)}")
+                self.engine.add_admitted(ids[-1], request, output_kind=OutputKind.FINAL_ONLY)
+        except ValueError:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         return self._run(ids)
 
     def chat(

@@ -15,6 +15,7 @@ import torch
 
 from cuda_ext import ops
 from engine import kv_view, prompt_logprobs
+from engine.admission import AdmissionLimits, EngineRequest, admit
 from engine.beam_search import BeamContext, beam_search_step
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs, EngineConfig
@@ -25,7 +26,7 @@ from engine.outputs import OutputKind, RequestOutput
 from engine.sampler import Sampler, SampleResult, SamplingRow
 from engine.sampling_params import SamplingParams, derive_seed
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.request_checks import check_request, max_tokens_for
+from engine.request_checks import check_fits
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.stats import StatsCollector
 from engine.structured_output import (
@@ -114,19 +115,33 @@ class LLMEngine:
         processor, or `engine.LLM`); its outputs come in `output_kind` (engine/outputs.py).
         `prompt_text`: the prompt's text, if known (it is reported back). `grammar`: its
         structured-output constraint already started (`StructuredOutputCompiler.prepare`, off
-        this thread), else it is started here. Raises ValueError (a user error, engine/
-        request_checks.py) for a prompt or width that cannot run, or a duplicate id."""
+        this thread), else it is started here. Raises ValueError (a `RequestError` for the
+        user's fault: engine/admission.py, engine/request_checks.py) for a prompt or width that
+        cannot run, or a duplicate id; nothing is left behind."""
         if isinstance(prompt_token_ids, str):
             raise TypeError("LLMEngine.add_request takes token ids; tokenize first (engine.LLM takes text)")
+        request = admit(prompt_token_ids, params, self.admission_limits, text=prompt_text, grammar=grammar)
+        self.add_admitted(request_id, request, arrival_time, output_kind)
+
+    @property
+    def admission_limits(self) -> AdmissionLimits:
+        """The model's limits on a prompt (engine/admission.py), for callers that admit requests
+        themselves (the server, off this thread)."""
+        return AdmissionLimits(self.model_config.hf_config.vocab_size, self.model_config.max_model_len)
+
+    def add_admitted(self, request_id: str, request: EngineRequest, arrival_time: float | None = None,
+                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
+        """Queue a request that passed `admit` (against `admission_limits`): only what needs
+        this engine's pool and widths is checked here (engine/request_checks.py). Raises as
+        `add_request` does."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = list(prompt_token_ids)
-        check_request(token_ids, params, self.config, self.block_manager)
-        group = SequenceGroup(request_id, prompt_text, token_ids, params, arrival_time)
-        group.max_tokens = max_tokens_for(len(token_ids), params, self.model_config.max_model_len)
+        check_fits(request, self.config, self.block_manager)
+        params = request.params
+        group = SequenceGroup(request_id, request.text, request.token_ids, params, arrival_time)
         group.output_kind = output_kind
         if params.guided_decoding is not None:
-            group.seqs[0].grammar = grammar or self.structured_outputs.start(params.guided_decoding)
+            group.seqs[0].grammar = request.grammar or self.structured_outputs.start(params.guided_decoding)
         self.output_processor.attach_detokenizer(group.seqs[0], group)
         self.requests[request_id] = group
         self.scheduler.add(group)

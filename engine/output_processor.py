@@ -96,7 +96,7 @@ class OutputProcessor:
             if seq.detokenizer is not None:
                 seq.append_text(seq.detokenizer.flush())
             return
-        if n_out >= group.max_tokens or len(seq) >= self.max_model_len:
+        if n_out >= group.params.max_tokens or len(seq) >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH
             if seq.detokenizer is not None:
                 seq.append_text(seq.detokenizer.flush())

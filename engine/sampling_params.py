@@ -1,15 +1,20 @@
 """The user's sampling settings for one request, validated when built.
 
 Field names follow vLLM's `SamplingParams` so that users (and the OpenAI layer) can map them
-one to one. Invalid values raise `ValueError` with a message fit to show the user.
+one to one. Invalid values raise `RequestError` (a ValueError) with a message fit to show the
+user and the field at fault as its `param`. This is the one place each setting's own range (and
+the combinations of settings: best_of >= n, beam search's rules) is checked; limits that depend on
+the prompt or the model live in engine/admission.py, those of the server in server/sampling.py.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
 from dataclasses import dataclass, field
 
+from engine.request_error import RequestError
 from engine.structured_output import GuidedDecoding
 
 _GREEDY_EPS = 1e-5
@@ -39,7 +44,7 @@ def _integer(name: str, value, what: str = "an integer") -> int:
             return operator.index(value)
         except TypeError:
             pass
-    raise ValueError(f"{name} must be {what}, got {_show(value)}.")
+    raise RequestError(f"{name} must be {what}, got {_show(value)}.", name)
 
 
 def _number(name: str, value) -> float:
@@ -51,7 +56,7 @@ def _number(name: str, value) -> float:
         except (TypeError, ValueError, OverflowError):
             pass
     if x is None or not math.isfinite(x):
-        raise ValueError(f"{name} must be a finite number, got {_show(value)}.")
+        raise RequestError(f"{name} must be a finite number, got {_show(value)}.", name)
     return x
 
 
@@ -122,59 +127,69 @@ class SamplingParams:
             setattr(self, name, _number(name, getattr(self, name)))
 
     def _verify(self) -> None:
-        def bad(msg: str) -> None:
-            raise ValueError(msg)
+        def bad(param: str, msg: str) -> None:
+            raise RequestError(msg, param)
 
         if self.n < 1:
-            bad(f"n must be at least 1, got {_show(self.n)}.")
+            bad("n", f"n must be at least 1, got {_show(self.n)}.")
         if self.best_of < 1:
-            bad(f"best_of must be at least 1, got {_show(self.best_of)}.")
+            bad("best_of", f"best_of must be at least 1, got {_show(self.best_of)}.")
         if self.best_of < self.n:
-            bad(f"best_of must be greater than or equal to n, got n={_show(self.n)} and "
+            bad("best_of", f"best_of must be greater than or equal to n, got n={_show(self.n)} and "
                 f"best_of={_show(self.best_of)}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+            bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+            bad("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
         if self.repetition_penalty <= 0.0:
-            bad(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+            bad("repetition_penalty", f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         if self.temperature < 0.0:
-            bad(f"temperature must be non-negative, got {self.temperature}.")
+            bad("temperature", f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}.")
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1:
-            bad(f"top_k must be -1 (disable), or at least 1, got {_show(self.top_k)}.")
+            bad("top_k", f"top_k must be -1 (disable), or at least 1, got {_show(self.top_k)}.")
         if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}.")
+            bad("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None and self.max_tokens < 1:
-            bad(f"max_tokens must be at least 1, got {_show(self.max_tokens)}.")
+            bad("max_tokens", f"max_tokens must be at least 1, got {_show(self.max_tokens)}.")
         if self.min_tokens < 0:
-            bad(f"min_tokens must be greater than or equal to 0, got {_show(self.min_tokens)}.")
+            bad("min_tokens", f"min_tokens must be greater than or equal to 0, got {_show(self.min_tokens)}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad(f"min_tokens must be less than or equal to max_tokens={_show(self.max_tokens)}, "
+            bad("min_tokens", f"min_tokens must be less than or equal to max_tokens={_show(self.max_tokens)}, "
                 f"got {_show(self.min_tokens)}.")
         if self.logprobs is not None and self.logprobs < 0:
-            bad(f"logprobs must be non-negative, got {_show(self.logprobs)}.")
+            bad("logprobs", f"logprobs must be non-negative, got {_show(self.logprobs)}.")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            bad(f"prompt_logprobs must be non-negative, got {_show(self.prompt_logprobs)}.")
+            bad("prompt_logprobs", f"prompt_logprobs must be non-negative, got {_show(self.prompt_logprobs)}.")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
-            bad(f"seed must be a 64-bit signed integer (in [-2**63, 2**63 - 1]), got {_show(self.seed)}.")
+            bad("seed", f"seed must be a 64-bit signed integer (in [-2**63, 2**63 - 1]), got {_show(self.seed)}.")
         if any(not s for s in self.stop):
-            bad("stop cannot contain an empty string.")
+            bad("stop", "stop cannot contain an empty string.")
         if any(t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids must be non-negative.")
+            bad("stop_token_ids", "stop_token_ids must be non-negative.")
         for v in self.logit_bias.values():
             if not -100.0 <= v <= 100.0:
-                bad(f"logit_bias values must be in [-100, 100], got {v}.")
+                bad("logit_bias", f"logit_bias values must be in [-100, 100], got {v}.")
         if self.use_beam_search:
             if self.best_of < 2:
-                bad("beam search needs a beam width (best_of or n) of at least 2.")
+                bad("best_of" if self.best_of != self.n else "n", "beam search needs a beam width (best_of or n) of at least 2.")
             if self.temperature > _GREEDY_EPS:
-                bad("beam search requires temperature 0.")
+                bad("temperature", "beam search requires temperature 0.")
             if self.early_stopping not in (True, False, "never"):
-                bad(f"early_stopping must be True, False or 'never', got {self.early_stopping}.")
+                bad("early_stopping", f"early_stopping must be True, False or 'never', got {self.early_stopping}.")
             if self.guided_decoding is not None:
-                bad("beam search cannot be combined with structured outputs.")
+                bad("use_beam_search", "beam search cannot be combined with structured outputs.")
+
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
+        """These settings with the request's final max_tokens (engine/admission.py: a positive
+        int that fits the context after the prompt); `self` when it is already that.
+        NOTE: a shallow copy, not `dataclasses.replace`, which would validate every field again."""
+        if max_tokens == self.max_tokens:
+            return self
+        final = copy.copy(self)
+        final.max_tokens = max_tokens
+        return final
 
     @property
     def is_greedy(self) -> bool:
@@ -192,6 +207,6 @@ def _logit_bias(bias) -> dict[int, float]:
         try:
             tok = int(k, 10) if isinstance(k, str) else _integer("logit_bias", k)
         except ValueError:
-            raise ValueError(f"logit_bias keys must be integer token ids, got {_show(k)}.") from None
+            raise RequestError(f"logit_bias keys must be integer token ids, got {_show(k)}.", "logit_bias") from None
         out[tok] = _number("logit_bias", v)
     return out

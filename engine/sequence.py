@@ -180,7 +180,6 @@ class SequenceGroup:
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.forked = params.best_of == 1  # True once the prompt's samples exist
-        self.max_tokens = params.max_tokens  # the engine caps it at the end of the context
         self.error: str | None = None  # why the request failed inside the engine, if it did
         self.invalid_request = False  # that failure was the request's own fault (a 400, not a 500)
         # With params.prompt_logprobs: one entry per prompt token (None for the first), set once

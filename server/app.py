@@ -11,6 +11,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI
@@ -89,10 +90,11 @@ def _on_engine_ready(ctx: ServerContext, llm: Any) -> None:
     ctx.model_name = config.served_model_name
     ctx.max_model_len = config.max_model_len
     ctx.vocab_size = len(llm.tokenizer) if llm.tokenizer is not None else config.hf_config.vocab_size
+    # NOTE: prompt ids must be both the model's (its embedding) and the tokenizer's (echo decodes them).
+    limits = llm.admission_limits
+    ctx.admission_limits = replace(limits, vocab_size=min(limits.vocab_size, ctx.vocab_size))
     ctx.inputs = InputProcessor(llm.tokenizer, vocab_size=ctx.vocab_size, max_model_len=ctx.max_model_len,
-                                chat_template=ctx.settings.chat_template,
-                                max_prompt_tokens=ctx.settings.max_prompt_tokens_per_request,
-                                grammars=llm.structured_outputs)
+                                chat_template=ctx.settings.chat_template, grammars=llm.structured_outputs)
     _warm_structured_outputs(llm)
     ctx.generation_defaults, ctx.generation_config_file = load_generation_defaults(
         ctx.settings.generation_config, config.path)

@@ -22,6 +22,7 @@ from engine.async_engine import (
     RequestFailedError,
     RequestInvalidError,
 )
+from engine.request_error import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -75,25 +76,14 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, param=param, code=code)
 
 
-# Parameter names that SamplingParams' messages start with ("top_p must be in (0, 1], ...").
-_KNOWN_PARAMS = {
-    "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
-    "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "stop",
-    "stop_token_ids", "logit_bias", "seed",
-}
-
-
-def from_value_error(exc: ValueError, prompt_param: str = "prompt") -> OpenAIError:
-    """400 from an engine / SamplingParams ValueError; `param` is guessed from the message
-    (`prompt_param` names the prompt field: "prompt" or "messages")."""
-    message = str(exc)
-    first = message.split(" ", 1)[0]
-    param = first if first in _KNOWN_PARAMS else None
-    if "maximum context length" in message:
-        return bad_request(message, param=prompt_param, code="context_length_exceeded")
-    if "prompt" in message.lower() and param is None:
-        param = prompt_param
-    return bad_request(message, param=param)
+def from_request_error(exc: ValueError, prompt_param: str = "prompt") -> OpenAIError:
+    """400 for a request the engine refused: a `RequestError` names its own `param` and `code`
+    (its "prompt" is `prompt_param` here: chat's prompt is its "messages"); any other ValueError
+    (a bug's, or a library's) names no field."""
+    if not isinstance(exc, RequestError):
+        return bad_request(str(exc))
+    param = prompt_param if exc.param == "prompt" else exc.param
+    return bad_request(exc.message, param=param, code=exc.code)
 
 
 def from_engine_error(exc: BaseException, *, in_flight: bool = False) -> OpenAIError:

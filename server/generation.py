@@ -9,44 +9,42 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.admission import EngineRequest
 from engine.async_engine import AsyncEngine, RequestFailedError, RequestStream
 from engine.outputs import CompletionOutput, OutputKind, RequestOutput
-from engine.sampling_params import SamplingParams
 from server.context import ServerContext
-from server.errors import OpenAIError, from_engine_error, from_value_error
-from server.input_processor import Prompt
+from server.errors import OpenAIError, from_engine_error, from_request_error
 from server.protocol import UsageInfo
 
 logger = logging.getLogger(__name__)
 
 
-async def start_requests(engine: AsyncEngine, base_id: str, prompts: list[Prompt],
-                         params: SamplingParams, stream: bool, prompt_param: str = "prompt") -> list[RequestStream]:
-    """Add one engine request per prompt (request ids `{base_id}-{i}`); all or nothing.
-    `stream`: outputs are deltas (else one final output per request).
+async def start_requests(engine: AsyncEngine, base_id: str, requests: list[EngineRequest], stream: bool,
+                         prompt_param: str = "prompt") -> list[RequestStream]:
+    """Add the admitted requests (server/admission.py) to the engine (request ids
+    `{base_id}-{i}`); all or nothing. `stream`: outputs are deltas (else one final output per
+    request).
 
-    Raises OpenAIError: 400 for the engine's ValueError (e.g. the context length), 429/503 for
-    the engine's state."""
+    Raises OpenAIError: 400 for what the engine refuses (a prompt or width its pool can never
+    run: engine/request_checks.py), 429/503 for the engine's state."""
     try:
-        engine.check_accepting(len(prompts))
+        engine.check_accepting(len(requests))
     except Exception as exc:  # noqa: BLE001
         raise from_engine_error(exc) from None
     streams: list[RequestStream] = []
     kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
     try:
-        for i, prompt in enumerate(prompts):
-            own = params if prompt.max_tokens is None else replace(params, max_tokens=prompt.max_tokens)
-            streams.append(await engine.add_request(f"{base_id}-{i}", prompt.token_ids, own, checked=True,
-                                                    output_kind=kind, prompt_text=prompt.text, grammar=prompt.grammar))
+        for i, request in enumerate(requests):
+            streams.append(await engine.add_admitted(f"{base_id}-{i}", request, checked=True, output_kind=kind))
     except BaseException as exc:
         release(engine, streams)
         if isinstance(exc, ValueError):
-            raise from_value_error(exc, prompt_param) from None
+            raise from_request_error(exc, prompt_param) from None
         if isinstance(exc, (OpenAIError, asyncio.CancelledError)):
             raise
         raise from_engine_error(exc) from None

@@ -1,40 +1,35 @@
-"""Request fields -> `SamplingParams`, with the checks that belong to the server (limits,
-field combinations). Range checks on single values are `SamplingParams`' own; its ValueError
-messages become 400s.
+"""Request fields -> `SamplingParams`, with the checks that belong to the server: its own limits
+(--max-n, --max-logprobs, --max-tokens-limit, stop and logit_bias sizes, ids of the vocabulary
+in logit_bias and stop_token_ids) and what the HTTP API adds (streaming, echo, tools). Each
+setting's own range and the combinations the engine refuses (best_of >= n, the seed, beam
+search's rules) are `SamplingParams`' alone: its `RequestError` names the field, and becomes the
+400. Called by the admission pipeline (server/admission.py), not by the routes.
 """
 
 from __future__ import annotations
 
+from engine.request_error import RequestError
 from engine.sampling_params import SamplingParams
-from server.errors import bad_request, from_value_error
+from server.errors import bad_request, from_request_error
 from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from server.settings import ServerSettings
 from server.structured import guided_decoding
 from server.tools import ToolPlan
 
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
 
 def _common_checks(req: _SamplingFields, settings: ServerSettings, vocab_size: int | None,
                    defaults: dict) -> dict:
     n = 1 if req.n is None else req.n
-    if n < 1:
-        raise bad_request(f"n must be at least 1, got {n}.", param="n")
     if n > settings.max_n:
         raise bad_request(f"n must be at most {settings.max_n}, got {n}.", param="n")
     if req.best_of is not None:
         if req.best_of > settings.max_best_of:
             raise bad_request(f"best_of must be at most {settings.max_best_of}, got {req.best_of}.",
                               param="best_of")
-        if req.best_of < n:
-            raise bad_request(f"best_of must be greater than or equal to n, got n={n} and best_of={req.best_of}.",
-                              param="best_of")
         if req.stream and req.best_of != n:
             raise bad_request("best_of must equal n when streaming.", param="best_of")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true.", param="stream_options")
-    if req.seed is not None and not _INT64_MIN <= req.seed <= _INT64_MAX:
-        raise bad_request("seed must be a 64-bit signed integer.", param="seed")
     top_k = req.top_k if req.top_k is not None else defaults.get("top_k")
     if top_k is not None and vocab_size is not None and top_k >= vocab_size:
         top_k = -1  # the whole vocabulary: no top-k restriction
@@ -56,16 +51,15 @@ def _common_checks(req: _SamplingFields, settings: ServerSettings, vocab_size: i
     )
     guided = guided_decoding(req, settings)
     if guided is not None:
-        if req.use_beam_search:
-            raise bad_request("use_beam_search cannot be combined with structured outputs.", param="use_beam_search")
         kwargs["guided_decoding"] = guided
     if req.use_beam_search:
         if req.stream:
             raise bad_request("use_beam_search does not support streaming.", param="stream")
-        if req.temperature not in (None, 0):
-            raise bad_request("use_beam_search requires temperature 0.", param="temperature")
+        # NOTE: beam search is greedy: temperature 0 unless the request says otherwise (then
+        # SamplingParams refuses it), whatever the model's generation defaults say.
+        temperature = 0.0 if req.temperature is None else req.temperature
         kwargs.update(use_beam_search=True, length_penalty=req.length_penalty,
-                      early_stopping=req.early_stopping, temperature=0.0)
+                      early_stopping=req.early_stopping, temperature=temperature)
     optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=top_k, min_p=req.min_p,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                     repetition_penalty=req.repetition_penalty)
@@ -149,10 +143,9 @@ def _check_messages(req: ChatCompletionRequest, settings: ServerSettings) -> Non
 
 
 def _check_max_tokens(max_tokens: int | None, settings: ServerSettings, param: str) -> None:
+    """--max-tokens-limit on an explicit max_tokens (its lower bound is SamplingParams')."""
     if max_tokens is None:
         return
-    if max_tokens < 1:
-        raise bad_request(f"{param} must be at least 1, got {max_tokens}.", param=param)
     if settings.max_tokens_limit is not None and max_tokens > settings.max_tokens_limit:
         raise bad_request(f"{param} must be at most {settings.max_tokens_limit}, got {max_tokens}.", param=param)
 
@@ -160,7 +153,7 @@ def _check_max_tokens(max_tokens: int | None, settings: ServerSettings, param: s
 def _default_max_tokens(default: int | None, settings: ServerSettings) -> int | None:
     """A request that does not set max_tokens gets `default` (None: the rest of the context),
     capped at --max-tokens-limit: the limit bounds every generation, asked for or not. The
-    input processor then caps it at each prompt's room in the context (`max_tokens_defaulted`)."""
+    admission then caps it at each prompt's room in the context (`max_tokens_defaulted`)."""
     limit = settings.max_tokens_limit
     if limit is None:
         return default
@@ -169,18 +162,20 @@ def _default_max_tokens(default: int | None, settings: ServerSettings) -> int | 
 
 def max_tokens_defaulted(req: CompletionRequest | ChatCompletionRequest) -> bool:
     """Whether the request left its completion's length to the server (the model's
-    max_new_tokens, OpenAI's 16, --max-tokens-limit): a default the input processor caps at the
+    max_new_tokens, OpenAI's 16, --max-tokens-limit): a default that admission caps at the
     context left after the prompt, where an explicit max_tokens that does not fit is a 400."""
     if isinstance(req, ChatCompletionRequest):
         return req.max_completion_tokens is None and req.max_tokens is None
     return "max_tokens" not in req.model_fields_set or req.max_tokens is None
 
 
-def _build(kwargs: dict) -> SamplingParams:
+def _build(kwargs: dict, renamed: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams(**kwargs), its RequestError a 400; `renamed`: engine field -> this API's
+    name for it (chat's max_completion_tokens is the engine's max_tokens)."""
     try:
         return SamplingParams(**kwargs)
-    except ValueError as exc:
-        raise from_value_error(exc) from None
+    except RequestError as exc:
+        raise from_request_error(exc.renamed((renamed or {}).get(exc.param, exc.param))) from None
 
 
 def completion_params(req: CompletionRequest, settings: ServerSettings, vocab_size: int | None,
@@ -196,12 +191,8 @@ def completion_params(req: CompletionRequest, settings: ServerSettings, vocab_si
     elif max_tokens is None:
         max_tokens = _default_max_tokens(None, settings)
     _check_max_tokens(max_tokens, settings, "max_tokens")
-    if req.logprobs is not None:
-        if req.logprobs < 0:
-            raise bad_request(f"logprobs must be non-negative, got {req.logprobs}.", param="logprobs")
-        if req.logprobs > settings.max_logprobs:
-            raise bad_request(f"logprobs must be at most {settings.max_logprobs}, got {req.logprobs}.",
-                              param="logprobs")
+    if req.logprobs is not None and req.logprobs > settings.max_logprobs:
+        raise bad_request(f"logprobs must be at most {settings.max_logprobs}, got {req.logprobs}.", param="logprobs")
     kwargs.update(max_tokens=max_tokens, logprobs=req.logprobs)
     if req.echo and req.logprobs is not None:
         kwargs["prompt_logprobs"] = req.logprobs
@@ -215,8 +206,8 @@ def _prompt_logprobs(req: CompletionRequest, settings: ServerSettings) -> int:
     answered inside the echoed choice's logprobs, so the field needs echo and logprobs (without
     them there is nowhere to put them: a 400 rather than a silently ignored field)."""
     n = req.prompt_logprobs
-    if not 0 <= n <= settings.max_logprobs:
-        raise bad_request(f"prompt_logprobs must be between 0 and {settings.max_logprobs}, got {n}.",
+    if n > settings.max_logprobs:
+        raise bad_request(f"prompt_logprobs must be at most {settings.max_logprobs}, got {n}.",
                           param="prompt_logprobs")
     if not req.echo or req.logprobs is None:
         raise bad_request("prompt_logprobs are returned with the echoed prompt: set echo=true and logprobs.",
@@ -239,15 +230,12 @@ def chat_params(req: ChatCompletionRequest, settings: ServerSettings, vocab_size
             raise bad_request(f"tools cannot be combined with {other}: both constrain the answer "
                               "(use tool_choice \"none\" to keep the tools as a description only).", param=other)
         if tools.guided is not None:
-            if req.use_beam_search:
-                raise bad_request("use_beam_search cannot be combined with tool_choice required or a named tool.",
-                                  param="use_beam_search")
             kwargs["guided_decoding"] = tools.guided
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = _default_max_tokens(defaults.get("max_tokens"), settings)
-    _check_max_tokens(max_tokens, settings,
-                      "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    _check_max_tokens(max_tokens, settings, param)
     logprobs = None
     if req.top_logprobs is not None:
         if not req.logprobs:
@@ -258,4 +246,4 @@ def chat_params(req: ChatCompletionRequest, settings: ServerSettings, vocab_size
     if req.logprobs:
         logprobs = req.top_logprobs or 0
     kwargs.update(max_tokens=max_tokens, logprobs=logprobs)
-    return _build(kwargs)
+    return _build(kwargs, {"max_tokens": param, "logprobs": "top_logprobs"})

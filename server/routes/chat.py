@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_engine import RequestStream
 from engine.sampling_params import SamplingParams
+from server.admission import PromptSource, admit
 from server.context import ServerContext, get_ctx
 from server.errors import OpenAIError, bad_request, from_engine_error
 from server.generation import StreamTracker, collect, merged, release, sorted_choices, start_requests, until_disconnect
@@ -36,8 +37,6 @@ from server.protocol import (
     random_id,
 )
 from server.routes.common import require_ready
-from server.sampling import chat_params, max_tokens_defaulted
-from server.structured import constraint_param
 from server.streaming import SSE_HEADERS, sse, sse_body
 from server.tools import (
     CallStreamer,
@@ -107,14 +106,10 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     model = ctx.check_model(req.model)
     plan = plan_tools(req, ctx.settings)
     messages = to_template_messages(req.messages)
-    params = chat_params(req, ctx.settings, ctx.vocab_size, plan, ctx.generation_defaults)
-    prompt = await ctx.inputs.chat_prompt(messages, plan, params.max_tokens, defaulted=max_tokens_defaulted(req))
-    tool_call = plan.guided is not None and params.guided_decoding is plan.guided
-    (prompt,) = await ctx.inputs.with_grammars([prompt], params.guided_decoding,
-                                               "tools" if tool_call else constraint_param(req),
-                                               plan if tool_call else None)
+    admitted = await admit(ctx, req, PromptSource(messages=messages, plan=plan))
+    params = admitted.params
     request_id = random_id("chatcmpl")
-    streams = await start_requests(ctx.engine, request_id, [prompt], params, bool(req.stream),
+    streams = await start_requests(ctx.engine, request_id, admitted.requests, bool(req.stream),
                                    prompt_param="messages")
     top_n = req.top_logprobs or 0
     if req.stream:

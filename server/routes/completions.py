@@ -12,8 +12,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.async_engine import RequestStream
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from server.admission import PromptSource, admit
 from server.context import ServerContext, get_ctx
-from server.errors import OpenAIError, bad_request, from_engine_error
+from server.errors import OpenAIError, from_engine_error
 from server.generation import StreamTracker, collect, merged, release, sorted_choices, start_requests, until_disconnect
 from server.logprobs import completion_logprobs
 from server.protocol import (
@@ -27,32 +28,20 @@ from server.protocol import (
     random_id,
 )
 from server.routes.common import require_ready
-from server.sampling import completion_params, max_tokens_defaulted
-from server.structured import constraint_param
 from server.streaming import SSE_HEADERS, sse, sse_body
 
 router = APIRouter()
 
 
-def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[str | list[int]]:
-    """The request's prompts, each a text or a list of token ids (shapes checked here; ids and
-    lengths by the input processor)."""
+def _prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts, each a text or a list of token ids (an empty list is one empty
+    prompt). Only their shape is read here: admission checks them (server/admission.py)."""
     prompt = req.prompt
     if isinstance(prompt, str):
-        prompts: list[str | list[int]] = [prompt]
-    elif not prompt:
-        raise bad_request("prompt must not be empty.", param="prompt")
-    elif isinstance(prompt[0], int):
-        prompts = [list(prompt)]
-    else:
-        prompts = [p if isinstance(p, str) else list(p) for p in prompt]
-    if len(prompts) > ctx.settings.max_prompts_per_request:
-        raise bad_request(f"At most {ctx.settings.max_prompts_per_request} prompts per request, got {len(prompts)}.",
-                          param="prompt")
-    for p in prompts:
-        if len(p) == 0:
-            raise bad_request("prompt must not be empty.", param="prompt")
-    return prompts
+        return [prompt]
+    if not prompt or isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [p if isinstance(p, str) else list(p) for p in prompt]
 
 
 @router.post("/v1/completions", response_model=CompletionResponse)
@@ -60,13 +49,10 @@ async def create_completion(req: CompletionRequest, request: Request) -> Respons
     ctx = get_ctx(request)
     require_ready(ctx)
     model = ctx.check_model(req.model)
-    prompts = _prompts(req, ctx)
-    params = completion_params(req, ctx.settings, ctx.vocab_size, ctx.generation_defaults)
-    inputs = await ctx.inputs.completion_prompts(prompts, params.max_tokens, echo=bool(req.echo),
-                                                 defaulted=max_tokens_defaulted(req))
-    inputs = await ctx.inputs.with_grammars(inputs, params.guided_decoding, constraint_param(req))
+    admitted = await admit(ctx, req, PromptSource(prompts=_prompts(req), echo=bool(req.echo)))
+    params, inputs = admitted.params, admitted.requests
     request_id = random_id("cmpl")
-    streams = await start_requests(ctx.engine, request_id, inputs, params, bool(req.stream))
+    streams = await start_requests(ctx.engine, request_id, inputs, bool(req.stream))
     echo_texts = [p.text or "" for p in inputs] if req.echo else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -18,7 +18,6 @@ from tests.engine.test_scheduler import fake_step
 
 def group(rid: str, n_tokens: int, t: float, max_tokens: int = 4) -> SequenceGroup:
     g = SequenceGroup(rid, None, list(range(1, n_tokens + 1)), SamplingParams(max_tokens=max_tokens), t)
-    g.max_tokens = max_tokens
     return g
 
 

@@ -80,7 +80,6 @@ def make_group(w: World, i: int, r: Req) -> SequenceGroup:
                             use_beam_search=r.beam, temperature=0.0 if r.beam else 1.0,
                             prompt_logprobs=1 if r.prompt_logprobs else None)
     g = SequenceGroup(f"r{i}", None, ids, params, arrival_time=float(r.arrival))
-    g.max_tokens = r.max_tokens
     return g
 
 
@@ -146,7 +145,7 @@ def step(sched: Scheduler, rng: random.Random, w: World) -> list[SequenceGroup]:
             g.forked = True
         for seq in seqs:
             seq.output_token_ids.append(rng.randrange(50))
-            if len(seq.output_token_ids) >= g.max_tokens:
+            if len(seq.output_token_ids) >= g.params.max_tokens:
                 seq.status = SequenceStatus.FINISHED_LENGTH
     for g, seqs in beams.values():
         beam_step(g, seqs, bm, rng)
@@ -160,7 +159,7 @@ def beam_step(g: SequenceGroup, seqs: list, bm: BlockManager, rng: random.Random
     parents (a parent's first child continues it, others fork it), unchosen parents dropped."""
     assert sorted(s.seq_id for s in seqs) == sorted(s.seq_id for s in g.unfinished_seqs), "beams not together"
     g.beam_state = g.beam_state or object()
-    if len(seqs[0].output_token_ids) + 1 >= g.max_tokens:
+    if len(seqs[0].output_token_ids) + 1 >= g.params.max_tokens:
         for seq in seqs:
             seq.output_token_ids.append(1)
             seq.status = SequenceStatus.FINISHED_LENGTH

@@ -22,7 +22,6 @@ def make_scheduler(num_blocks=64, cpu_blocks=64, block_size=4, max_seqs=8, max_t
 def group(rid: str, n_tokens: int, max_tokens: int = 4, t: float = 0.0, first: int = 1, **params) -> SequenceGroup:
     ids = list(range(first, first + n_tokens))
     g = SequenceGroup(rid, None, ids, SamplingParams(max_tokens=max_tokens, **params), t)
-    g.max_tokens = max_tokens
     return g
 
 
@@ -39,7 +38,7 @@ def fake_step(sched: Scheduler):
             continue
         assert s.seq.num_uncomputed_tokens == 0
         s.seq.output_token_ids.append(99)
-        if len(s.seq.output_token_ids) >= s.group.max_tokens:
+        if len(s.seq.output_token_ids) >= s.group.params.max_tokens:
             s.seq.status = SequenceStatus.FINISHED_LENGTH
     finished = sched.free_finished()
     sched.block_manager.check_integrity()

@@ -82,7 +82,7 @@ def test_a_long_streamed_text_is_sliced_per_step_never_joined_whole(tokenizer):
     processor = OutputProcessor(tokenizer, tokenizer.eos_token_id, 4096)
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, stop=["never appears \u2603"])
     group = SequenceGroup("long", None, [(7 * k) % 1000 + 3 for k in range(50)], params)
-    group.max_tokens, group.output_kind = NEW_TOKENS, OutputKind.DELTA
+    group.output_kind = OutputKind.DELTA
     seq = group.seqs[0]
     processor.attach_detokenizer(seq, group)
     rng, deltas = random.Random(0), []
