@@ -17,7 +17,8 @@ from cuda_ext import ops
 from engine import kv_view, prompt_logprobs
 from engine.beam_search import BeamContext, beam_search_step
 from engine.block_manager import BlockManager
-from engine.config import EngineArgs, EngineConfig
+from engine.config import EngineConfig
+from engine.engine_args import EngineArgs
 from engine.executor import create_executor
 from engine.model_runner import StepInput
 from engine.output_processor import OutputProcessor

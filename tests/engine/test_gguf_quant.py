@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.executor import create_executor
 from engine.model_runner import ModelRunner, SeqInput, StepInput
 from engine.models import decoder_stack
