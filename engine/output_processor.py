@@ -11,7 +11,8 @@ the new text and tokens; stop strings advance a matcher over the new text).
 from __future__ import annotations
 
 from engine.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
-from engine.sampler import SampleResult, needs_scores
+from engine.sampler import needs_scores
+from engine.scheduler_output import SampleResult
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.stop_strings import StopStrings
 from engine.structured_output import (

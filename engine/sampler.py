@@ -35,6 +35,7 @@ from engine.random_sampling import (  # noqa: F401 (_sampling_probs: the tests' 
     draw,
 )
 from engine.sampling_params import SamplingParams
+from engine.scheduler_output import SampleResult
 
 
 @dataclass(slots=True)
@@ -62,17 +63,6 @@ class SamplingRow:
         self.scored = needs_scores(p)
         self.may_edit = bool(p.logit_bias or self.masked_token_ids or p.repetition_penalty != 1.0
                              or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
-
-
-@dataclass(slots=True)
-class SampleResult:
-    token_id: int
-    # Raw model log-probability of token_id, and its 1-based rank in the raw distribution; None
-    # for a row that needs neither (no logprobs asked, no best_of ranking: `needs_scores`).
-    logprob: float | None
-    rank: int | None
-    # The params.logprobs most likely raw tokens, best first; None when params.logprobs is None.
-    top_logprobs: list[tuple[int, float]] | None
 
 
 class Sampler:

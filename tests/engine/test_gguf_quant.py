@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 
 from engine.engine_args import EngineArgs
 from engine.executor import create_executor
-from engine.model_runner import ModelRunner, SeqInput, StepInput
+from engine.model_runner import ModelRunner
+from engine.scheduler_output import SeqInput, StepInput
 from engine.models import decoder_stack
 from engine.models.gguf_file import GGUFError
 from engine.models.gguf_weights import unpermute_rows
