@@ -35,7 +35,8 @@ from engine.models.layers import (
 )
 from engine.models.llama import model_class
 from engine.models.loader import is_gguf, load_weights
-from engine.models.quant_linear import describe_footprint, quantize_linear_layers, weight_footprint
+from engine.models.quant_linear import describe_footprint, weight_footprint
+from engine.models.quantize import quantize_linear_layers
 from engine.sampler import score_tokens
 from engine.scheduler_output import SampleResult, SeqInput, StepInput, StepOutput
 

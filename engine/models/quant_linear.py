@@ -83,28 +83,6 @@ class QuantLMHead(nn.Module):
 QUANT_MODULES = (QuantLinear, QuantEmbedding, QuantLMHead)
 
 
-def quantize_linear_layers(model: nn.Module, qtype: str) -> int:
-    """Replace the decoder layers' dense linear layers (q/k/v, o, gate/up, down) by QuantLinear
-    layers of their weights quantized to `qtype` (``--quantization`` on an fp checkpoint); the
-    embedding and LM head stay dense. Returns how many were replaced."""
-    from engine.models.layers import ColumnParallelLinear, RowParallelLinear
-
-    decoder = getattr(getattr(model, "model", None), "layers", None)
-    if decoder is None:
-        raise ValueError("--quantization needs a Llama-family decoder")
-    count = 0
-    for parent in decoder.modules():
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, (ColumnParallelLinear, RowParallelLinear)):
-                continue
-            bias = None if child.bias is None else child.bias.detach().clone()
-            layer = QuantLinear(qops.quantize_weight(child.weight.detach().float(), qtype), bias,
-                                getattr(child, "out_sizes", None), getattr(child, "feeds_silu_mul", False))
-            setattr(parent, name, layer)
-            count += 1
-    return count
-
-
 def weight_footprint(model: nn.Module) -> tuple[dict[str, int], int]:
     """(bytes of weights per storage type, e.g. {"q4_1": ..., "q8_0": ..., "float32": ...},
     number of parameters) of `model`'s parameters and packed weights, each tensor counted once
