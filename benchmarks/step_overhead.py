@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.outputs import OutputKind
 from engine.sampling_params import SamplingParams

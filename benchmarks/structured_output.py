@@ -19,7 +19,8 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
-from engine.structured_output import GuidedDecoding, apply_grammar_masks
+from engine.guided_decoding import GuidedDecoding
+from engine.structured_output import apply_grammar_masks
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
           "required": ["name", "tags"]}

@@ -16,7 +16,7 @@ def __getattr__(name: str):
 
         return LLMEngine
     if name == "EngineArgs":
-        from engine.config import EngineArgs
+        from engine.engine_args import EngineArgs
 
         return EngineArgs
     raise AttributeError(name)

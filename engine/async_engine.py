@@ -9,7 +9,7 @@ through a command queue; results come back to the event loop with `call_soon_thr
 per step for all requests together.
 
 Threads and ownership:
-- engine thread: the `LLMEngine`, `_live` (ids the engine holds), `on_stats` calls.
+- engine thread: the `LLMEngine`, `EngineThread.live` (ids the engine holds), `on_stats` calls.
 - event loop thread: `_streams` (one `RequestStream` per request still being read), counters.
 
 Failures:
@@ -19,17 +19,14 @@ Failures:
   the loop carries on. If the loop itself breaks (or steps keep failing), the engine is dead:
   every stream fails with `EngineDeadError` and new requests are refused with it.
 
-The engine thread's side is engine/engine_thread.py; `RequestStream` and these errors are defined in
-engine/request_stream.py and importable from here.
+The engine thread is an `EngineThread` (engine/engine_thread.py) that this object holds;
+`RequestStream` and these errors are defined in engine/request_stream.py and importable from here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -57,7 +54,7 @@ T = TypeVar("T")
 
 
 
-class AsyncEngine(EngineThread):
+class AsyncEngine:
     """Runs an `LLMEngine` on a background thread; see the module docstring."""
 
     def __init__(
@@ -75,43 +72,77 @@ class AsyncEngine(EngineThread):
         `on_stats(stats)` runs on the engine thread after every step. `stall_timeout`: seconds
         of pending work without a finished step after which the engine counts as stalled
         (`check_stall`); None never."""
-        self._factory = engine_factory
-        self.on_ready = on_ready
-        self.on_stats = on_stats
         self.max_queued_requests = max_queued_requests
-        self.freeze_gc = freeze_gc  # once loaded, keep what exists out of the cyclic GC (a server's engine)
-        self.state = EngineState.LOADING
-        self.dead_reason: str | None = None  # what killed it, for the log (may hold exception text)
-        self.public_dead_reason: str | None = None  # what clients and /health are told
-        self.engine: EngineCore | None = None  # set once loaded; only the engine thread may call into it
-        self.last_stats: EngineStats | None = None
-        self.load_seconds: float | None = None
-
-        # (command, future for its result or None); run in order on the engine thread.
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future | None]] = (
-            queue.SimpleQueue())
-        self._wakeup = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # The engine thread and what it owns (the engine, its state): see the properties below.
+        self._engine_thread = EngineThread(engine_factory, on_ready=on_ready, on_stats=on_stats, freeze_gc=freeze_gc,
+                                           stall_timeout=stall_timeout, to_loop=self._to_loop,
+                                           set_ready=self._set_ready, fail=self._fail, dispatch=self._dispatch)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready_future: asyncio.Future[None] | None = None
         # Event-loop side.
         self._streams: dict[str, RequestStream] = {}
         self._pending_adds = 0  # add commands sent, not yet answered
         self._unstarted: set[str] = set()  # added, no output yet (waiting in the engine)
-        # Engine-thread side.
-        self._live: set[str] = set()
-        self._stats_stale = False
-        # Fed by the engine thread, read on the event loop (/health, /metrics).
-        self.watchdog = StepWatchdog(stall_timeout, lambda: self._thread, lambda: self.state is EngineState.READY)
+
+    # ------------------------------------------------------- the engine thread's state (read)
+    @property
+    def engine(self) -> EngineCore | None:
+        """Set once loaded; only the engine thread may call into it."""
+        return self._engine_thread.engine
+
+    @property
+    def state(self) -> EngineState:
+        return self._engine_thread.state
+
+    @property
+    def dead_reason(self) -> str | None:
+        """What killed the engine, for the log (may hold exception text)."""
+        return self._engine_thread.dead_reason
+
+    @property
+    def public_dead_reason(self) -> str | None:
+        """What clients and /health are told of it."""
+        return self._engine_thread.public_dead_reason
+
+    @property
+    def last_stats(self) -> EngineStats | None:
+        return self._engine_thread.last_stats
+
+    @property
+    def load_seconds(self) -> float | None:
+        return self._engine_thread.load_seconds
+
+    @property
+    def watchdog(self) -> StepWatchdog:
+        """Fed by the engine thread, read on the event loop (/health, /metrics)."""
+        return self._engine_thread.watchdog
+
+    @property
+    def freeze_gc(self) -> bool:
+        return self._engine_thread.freeze_gc
+
+    @property
+    def on_ready(self) -> Callable[[EngineCore], None] | None:
+        return self._engine_thread.on_ready
+
+    @on_ready.setter
+    def on_ready(self, fn: Callable[[EngineCore], None] | None) -> None:
+        self._engine_thread.on_ready = fn
+
+    @property
+    def on_stats(self) -> Callable[[EngineStats], None] | None:
+        return self._engine_thread.on_stats
+
+    @on_stats.setter
+    def on_stats(self, fn: Callable[[EngineStats], None] | None) -> None:
+        self._engine_thread.on_stats = fn
 
     # ----------------------------------------------------------------- lifecycle (event loop)
     def start(self) -> None:
         """Start loading the engine in the background; returns at once."""
         self._loop = asyncio.get_running_loop()
         self._ready_future = self._loop.create_future()
-        self._thread = threading.Thread(target=self._thread_main, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._engine_thread.start()
         self.watchdog.start(self._loop)
 
     async def wait_ready(self) -> None:
@@ -121,14 +152,7 @@ class AsyncEngine(EngineThread):
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop thread (requests still in flight are failed). Blocks up to `timeout`."""
-        if self.state in (EngineState.LOADING, EngineState.READY):
-            self.state = EngineState.STOPPED
-        self.watchdog.stop()
-        self._stop.set()
-        self._wakeup.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-        self._fail_pending_commands()
+        self._engine_thread.stop(timeout)
         for stream in list(self._streams.values()):
             stream.put(RequestCancelledError("The server is shutting down."))
         self._streams.clear()
@@ -214,11 +238,10 @@ class AsyncEngine(EngineThread):
         arrival = time.monotonic()
 
         def add() -> None:
-            add_to_engine(arrival)
-            self._live.add(request_id)
+            self._engine_thread.add(request_id, lambda: add_to_engine(arrival))
 
         try:
-            await asyncio.wrap_future(self._submit(add, want_result=True))
+            await asyncio.wrap_future(self._engine_thread.submit(add, want_result=True))
         except asyncio.CancelledError:
             # NOTE: the add may still run after we stop waiting; commands run in order, so this
             # abort lands after it and nothing leaks.
@@ -253,7 +276,7 @@ class AsyncEngine(EngineThread):
         if stream is not None:
             stream.finished = True
         if self.state is EngineState.READY:
-            self._submit(lambda: self._engine_abort(request_id))
+            self._engine_thread.submit(lambda: self._engine_thread.abort(request_id))
 
     def release(self, request_id: str) -> None:
         """Forget a stream the caller has read to its end (or abort it if it had not ended)."""
@@ -284,31 +307,11 @@ class AsyncEngine(EngineThread):
         """Run `fn()` on the engine thread between two steps and return its result."""
         if self.state is not EngineState.READY:
             self.check_accepting(0)
-        return await asyncio.wrap_future(self._submit(fn, want_result=True))
+        return await asyncio.wrap_future(self._engine_thread.submit(fn, want_result=True))
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._unstarted.discard(request_id)
-
-    def _submit(self, command: Callable[[], Any], want_result: bool = False) -> concurrent.futures.Future | None:
-        """Queue `command` for the engine thread; with `want_result`, a future for its result."""
-        future = concurrent.futures.Future() if want_result else None
-        self._commands.put((command, future))
-        self._wakeup.set()
-        if self.state is EngineState.DEAD:  # NOTE: the loop may have died before taking it
-            self._fail_pending_commands()
-        return future
-
-    def _fail_pending_commands(self) -> None:
-        """After the loop died: answer every queued command's future with EngineDeadError,
-        so that no caller waits forever (callable from any thread)."""
-        while True:
-            try:
-                _, future = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if future is not None and not future.done():
-                future.set_exception(EngineDeadError(self.public_dead_reason or "The engine is not running."))
 
     # --------------------------------------------------------------------- dispatch (event loop)
     def _dispatch(self, outputs: list[RequestOutput], started: list[str] = ()) -> None:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from cuda_ext import ops
 
 if TYPE_CHECKING:
-    from engine.model_runner import SeqInput
+    from engine.scheduler_output import SeqInput
     from engine.table_rows import TableRows
 
 

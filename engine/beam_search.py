@@ -40,7 +40,8 @@ import torch
 
 from engine.beam_state import BeamState, Hypothesis
 from engine.outputs import Logprob
-from engine.sampler import SampleResult, score_tokens
+from engine.sampler import score_tokens
+from engine.scheduler_output import SampleResult
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 

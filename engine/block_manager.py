@@ -20,25 +20,13 @@ metadata selects the decodes' tables from: tables enter and leave through `_put_
 from __future__ import annotations
 
 import enum
-from array import array
 from dataclasses import dataclass, field
 
 from engine.block_pool import Block, BlockPool
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.table_rows import TableRows
+from engine.table_rows import BlockTable, TableRows, new_table
 
 __all__ = ["AdmissionPlan", "AllocStatus", "Block", "BlockManager", "BlockPool", "BlockTable", "new_table"]
-
-# NOTE: a C array, not a list: the attention metadata copies every decode's table into one
-# tensor at every step, which is a memcpy per table for an array and a Python-int conversion per
-# block for a list (~45 ns a block: 1.5 ms a step at 256 sequences of 2,048 tokens).
-BlockTable = array
-
-
-def new_table(ids=()) -> BlockTable:
-    """A block table (int32 block ids) holding `ids`."""
-    return array("i", ids)
-
 
 class AllocStatus(enum.Enum):
     OK = "ok"  # fits now

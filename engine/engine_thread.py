@@ -1,29 +1,34 @@
-"""The engine thread's side of `AsyncEngine` (engine/async_engine.py): load the engine, then loop
+"""`EngineThread`: the thread that owns the engine behind `AsyncEngine` (engine/async_engine.py).
+It loads the engine, then loops
 
     run queued commands (add / abort / block map)  ->  engine.step()  ->  publish outputs
 
 until stopped; a step that names a request in its exception fails that request only, one that
 names none fails every request in flight, and repeated or fatal failures kill the loop (the
-engine is then dead: every stream fails with EngineDeadError). A mixin: these methods run on the
-engine thread only, over the state `AsyncEngine.__init__` sets up.
+engine is then dead: every stream fails with EngineDeadError).
+
+NOTE: a separate object that `AsyncEngine` holds (it was a mixin of it, one class over two
+files that imported each other): the event loop reaches this thread only through `submit` and
+`stop`, and it reaches the event loop only through the callbacks it is given.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import gc
 import logging
 import queue
+import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 from engine.models.gguf_file import GGUFError
 from engine.outputs import RequestOutput
 from engine.request_stream import EngineDeadError, RequestFailedError
 from engine.step_calibration import calibrate_step_cost
-
-if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+from engine.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +46,93 @@ class EngineState(enum.Enum):
 
 
 class EngineThread:
-    def _thread_main(self: AsyncEngine) -> None:
+    """The engine thread and the state it owns. Shared with the event loop, as single
+    references read or written whole: `state`, `dead_reason`, `public_dead_reason`, `engine`
+    (only this thread may call into it), `last_stats`, `load_seconds`, `on_stats`. `live` (ids
+    the engine holds) is this thread's alone.
+
+    `to_loop(fn, *args)` runs `fn(*args)` on the event loop; through it this thread calls
+    `set_ready(error or None)` once loaded, `fail(request_ids or None for all, exc)` and
+    `dispatch(outputs, started)` after each step."""
+
+    def __init__(self, factory: Callable[[], Any], *, on_ready: Callable[[Any], None] | None,
+                 on_stats: Callable[[Any], None] | None, freeze_gc: bool, stall_timeout: float | None,
+                 to_loop: Callable[..., None], set_ready: Callable[[BaseException | None], None],
+                 fail: Callable[[list[str] | None, BaseException], None],
+                 dispatch: Callable[[list[RequestOutput], list[str]], None]) -> None:
+        self._factory = factory
+        self.on_ready = on_ready
+        self.on_stats = on_stats
+        self.freeze_gc = freeze_gc  # once loaded, keep what exists out of the cyclic GC (a server's engine)
+        self.state = EngineState.LOADING
+        self.dead_reason: str | None = None  # what killed it, for the log (may hold exception text)
+        self.public_dead_reason: str | None = None  # what clients and /health are told
+        self.engine = None  # set once loaded; only the engine thread may call into it
+        self.last_stats = None
+        self.load_seconds: float | None = None
+        self._to_loop, self._set_ready, self._fail, self._dispatch = to_loop, set_ready, fail, dispatch
+        # (command, future for its result or None); run in order on the engine thread.
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future | None]] = (
+            queue.SimpleQueue())
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.live: set[str] = set()
+        self._stats_stale = False
+        # Fed by the engine thread, read on the event loop (/health, /metrics).
+        self.watchdog = StepWatchdog(stall_timeout, lambda: self.thread, lambda: self.state is EngineState.READY)
+
+    # -------------------------------------------------------------- called from the event loop
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._thread_main, name="engine-loop", daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Stop the loop and join the thread (up to `timeout`); then fail what is still queued."""
+        if self.state in (EngineState.LOADING, EngineState.READY):
+            self.state = EngineState.STOPPED
+        self.watchdog.stop()
+        self._stop.set()
+        self._wakeup.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+        self.fail_pending_commands()
+
+    def submit(self, command: Callable[[], Any], want_result: bool = False) -> concurrent.futures.Future | None:
+        """Queue `command` for the engine thread; with `want_result`, a future for its result."""
+        future = concurrent.futures.Future() if want_result else None
+        self._commands.put((command, future))
+        self._wakeup.set()
+        if self.state is EngineState.DEAD:  # NOTE: the loop may have died before taking it
+            self.fail_pending_commands()
+        return future
+
+    def fail_pending_commands(self) -> None:
+        """After the loop died: answer every queued command's future with EngineDeadError,
+        so that no caller waits forever (callable from any thread)."""
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None and not future.done():
+                future.set_exception(EngineDeadError(self.public_dead_reason or "The engine is not running."))
+
+    # ---------------------------------------------------------------- on the engine thread
+    def add(self, request_id: str, add_to_engine: Callable[[], None]) -> None:
+        """A command: `add_to_engine()` (the engine's add_request or add_admitted for this id),
+        then hold the id."""
+        add_to_engine()
+        self.live.add(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """A command: abort the request in the engine if it holds it."""
+        if request_id in self.live:
+            self.live.discard(request_id)
+            self.engine.abort_request(request_id)
+            self._stats_stale = True
+
+    def _thread_main(self) -> None:
         start = time.monotonic()
         try:
             self.engine = self._factory()
@@ -88,7 +179,7 @@ class EngineThread:
     def _die(self, reason: str, public: str) -> None:
         self.dead_reason, self.public_dead_reason = reason, public
         self.state = EngineState.DEAD
-        self._fail_pending_commands()
+        self.fail_pending_commands()
         self._to_loop(self._fail, None, EngineDeadError(public))
 
     def _loop_forever(self) -> None:
@@ -142,16 +233,10 @@ class EngineThread:
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
 
-    def _engine_abort(self, request_id: str) -> None:
-        if request_id in self._live:
-            self._live.discard(request_id)
-            self.engine.abort_request(request_id)
-            self._stats_stale = True
-
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             if output.finished:
-                self._live.discard(output.request_id)
+                self.live.discard(output.request_id)
         # NOTE: a request that outputs only when done (FINAL_ONLY) leaves the queue when first scheduled.
         started = list(self.engine.newly_scheduled)
         if outputs or started:
@@ -179,9 +264,9 @@ class EngineThread:
 
     def _isolate_step_failure(self, exc: Exception) -> None:
         culprit = getattr(exc, "request_id", None)
-        ids = [culprit] if culprit in self._live else sorted(self._live)
+        ids = [culprit] if culprit in self.live else sorted(self.live)
         logger.error("engine step failed (%r); failing %d request(s): %s", exc, len(ids), ids[:8],
                      exc_info=exc)
         for request_id in ids:
-            self._engine_abort(request_id)
+            self.abort(request_id)
         self._to_loop(self._fail, ids, RequestFailedError(INTERNAL_ERROR))

@@ -31,7 +31,8 @@ from multiprocessing import connection as mp_connection
 from engine import parallel, worker
 from engine.cache_engine import CacheEngine
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner, StepInput, StepOutput
+from engine.model_runner import ModelRunner
+from engine.scheduler_output import StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 

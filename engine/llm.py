@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 
 from engine.admission import admit
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.outputs import OutputKind, RequestOutput
 from engine.sampling_params import SamplingParams

@@ -18,14 +18,15 @@ from engine import kv_view, prompt_logprobs
 from engine.admission import AdmissionLimits, EngineRequest, admit
 from engine.beam_search import BeamContext, beam_search_step
 from engine.block_manager import BlockManager
-from engine.config import EngineArgs, EngineConfig
+from engine.config import EngineConfig
+from engine.engine_args import EngineArgs
 from engine.executor import create_executor
-from engine.model_runner import StepInput
+from engine.scheduler_output import SampleResult, SchedulerOutput, StepInput
 from engine.output_processor import OutputProcessor
 from engine.outputs import OutputKind, RequestOutput
-from engine.sampler import Sampler, SampleResult, SamplingRow
+from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams, derive_seed
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.request_checks import check_fits
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.stats import StatsCollector

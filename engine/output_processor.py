@@ -10,9 +10,9 @@ the new text and tokens; stop strings advance a matcher over the new text).
 
 from __future__ import annotations
 
-from engine.beam_state import beam_search_outputs
 from engine.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
-from engine.sampler import SampleResult, needs_scores
+from engine.sampler import needs_scores
+from engine.scheduler_output import SampleResult
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.stop_strings import StopStrings
 from engine.structured_output import (
@@ -197,3 +197,43 @@ class OutputProcessor:
     def visible_text(seq: Sequence) -> str:
         """The sequence's text less the held tail (`held`)."""
         return seq.output_text[: seq.text_len - OutputProcessor.held(seq)]
+
+
+def beam_search_outputs(tokenizer, group: SequenceGroup) -> list[CompletionOutput]:
+    """No choices while the search runs (or when it failed or was aborted); once done, the n
+    best hypotheses by score, index 0 the best."""
+    state = group.beam_state
+    if state is None or not state.done:
+        return []
+    p = group.params
+    outs = []
+    for i, hyp in enumerate(state.hypotheses[: p.n]):
+        if hyp.text is None:
+            hyp.text = _decode(tokenizer, group, hyp.token_ids)
+        outs.append(
+            CompletionOutput(
+                index=i,
+                text=hyp.text,
+                token_ids=list(hyp.token_ids),
+                cumulative_logprob=hyp.cumulative_logprob,
+                logprobs=list(hyp.logprobs) if hyp.logprobs is not None else None,
+                finish_reason=hyp.finish_reason,
+                stop_reason=hyp.stop_reason,
+            )
+        )
+    return outs
+
+
+def _decode(tokenizer, group: SequenceGroup, token_ids: list[int]) -> str:
+    """The hypothesis's text exactly as a streamed sequence would have it ("" without a tokenizer)."""
+    if tokenizer is None:
+        return ""
+    p = group.params
+    detok = IncrementalDetokenizer(
+        tokenizer,
+        group.prompt_token_ids,
+        skip_special_tokens=p.skip_special_tokens,
+        spaces_between_special_tokens=p.spaces_between_special_tokens,
+    )
+    text = "".join(detok.step(t) for t in token_ids)
+    return text + detok.flush()

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.model_runner import StepInput
+from engine.scheduler_output import SampleResult, SchedulerOutput, StepInput
 from engine.outputs import Logprob
-from engine.sampler import SampleResult
-from engine.scheduler import SchedulerOutput
 from engine.sequence import SequenceGroup
 
 Entry = dict[int, Logprob]

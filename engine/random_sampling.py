@@ -12,13 +12,14 @@ import torch
 from cuda_ext import ops
 from engine.sampling_params import SamplingParams
 
-_NEG_INF = float("-inf")
-_F32 = torch.finfo(torch.float32)
+NEG_INF = float("-inf")
+F32 = torch.finfo(torch.float32)
 _BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
 Generator = random.Random | torch.Generator
 
 
-def _index(ids: list[int], device: torch.device) -> torch.Tensor:
+def index_tensor(ids: list[int], device: torch.device) -> torch.Tensor:
+    """`ids` as an int64 index tensor on `device`."""
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
@@ -31,22 +32,22 @@ def argmax_rows(t: torch.Tensor) -> torch.Tensor:
     return t.argmax(dim=-1)
 
 
-def _greedy(adjusted: torch.Tensor, fallback) -> torch.Tensor:
+def greedy_ids(adjusted: torch.Tensor, fallback) -> torch.Tensor:
     """The argmax of each row; `fallback(dead)` for rows whose every logit is -inf."""
     # NOTE: the first maximum, exactly as HF greedy decoding picks it.
     ids = argmax_rows(adjusted)
-    dead = adjusted.gather(1, ids[:, None])[:, 0] == _NEG_INF
+    dead = adjusted.gather(1, ids[:, None])[:, 0] == NEG_INF
     if bool(dead.any()):
         ids[dead] = fallback(dead.nonzero()[:, 0])
     return ids
 
 
-def _guard_(t: torch.Tensor) -> torch.Tensor:
+def guard_(t: torch.Tensor) -> torch.Tensor:
     """In place: NaN -> -inf, +inf -> the largest finite float32; -inf stays."""
-    return t.nan_to_num_(nan=_NEG_INF, posinf=_F32.max, neginf=_NEG_INF)
+    return t.nan_to_num_(nan=NEG_INF, posinf=F32.max, neginf=NEG_INF)
 
 
-# The exact top-p cut-off (`_sampling_probs`, and the draw's fallback) first looks for the
+# The exact top-p cut-off (`sampling_probs`, and the draw's fallback) first looks for the
 # nucleus among this many best tokens and sorts the whole row only when their mass falls short
 # of top_p: a full sort of a 49k vocabulary is ~20x slower.
 _TOP_P_CANDIDATES = 256
@@ -64,7 +65,7 @@ class _Nucleus:
     exact: object  # exact(positions) -> those rows' probabilities with the top-p mask applied
 
 
-def _sampling_probs(logits: torch.Tensor, params: list[SamplingParams], fallback=None,
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams], fallback=None,
                     lazy_top_p: bool = False):
     """Probabilities to draw from, for rows that do not decode greedily. Never edits `logits`.
 
@@ -83,40 +84,40 @@ def _sampling_probs(logits: torch.Tensor, params: list[SamplingParams], fallback
 def _probs(logits: torch.Tensor, params: list[SamplingParams], fallback, lazy: bool):
     dev, vocab = logits.device, logits.shape[1]
     temps = _temperatures(params, dev)
-    original, logits = logits, _guard_(logits / temps[:, None])  # a fresh tensor: everything below edits it in place
+    original, logits = logits, guard_(logits / temps[:, None])  # a fresh tensor: everything below edits it in place
 
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     sel = [i for i, k in enumerate(top_k) if k < vocab]
     if sel:
         ks = torch.tensor([top_k[i] for i in sel], dtype=torch.long, device=dev)
-        sub = _rows(logits, sel)
+        sub = select_rows(logits, sel)
         kth = torch.topk(sub, int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])
         # NOTE: tokens tied with the k-th value survive, as in HF and vLLM.
-        _set_rows(logits, sel, sub.masked_fill_(sub < kth, _NEG_INF))
+        _set_rows(logits, sel, sub.masked_fill_(sub < kth, NEG_INF))
 
     nucleus = None
     sel = top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
     min_p_in_nucleus = any(params[i].min_p > 0.0 for i in top_p_rows)
     if sel:
         top_p = torch.tensor([params[i].top_p for i in sel], dtype=torch.float32, device=dev)
-        sub = _rows(logits, sel)
+        sub = select_rows(logits, sel)
         if lazy:
             # NOTE: a copy when min-p edits `logits` below; the exact path is kept for rows
             # that the rejection does not settle quickly.
             ref = sub.clone() if sub is logits and min_p_in_nucleus else sub
-            nucleus = _Nucleus(_index(sel, dev), ref, top_p, None, None)
+            nucleus = _Nucleus(index_tensor(sel, dev), ref, top_p, None, None)
         else:
             cut = _top_p_cutoff(sub, top_p)
-            _set_rows(logits, sel, sub.masked_fill_(sub < cut, _NEG_INF))
+            _set_rows(logits, sel, sub.masked_fill_(sub < cut, NEG_INF))
 
     sel = [i for i, p in enumerate(params) if p.min_p > 0.0]
     if sel:
         min_p = torch.tensor([params[i].min_p for i in sel], dtype=torch.float32, device=dev)
-        sub = _rows(logits, sel)
+        sub = select_rows(logits, sel)
         # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); the best token always stays.
         best = sub.max(dim=-1, keepdim=True).values
         cut = torch.minimum(best + torch.log(min_p)[:, None], best)
-        _set_rows(logits, sel, sub.masked_fill_(sub < cut, _NEG_INF))
+        _set_rows(logits, sel, sub.masked_fill_(sub < cut, NEG_INF))
 
     probs = _with_fallback(logits.softmax(dim=-1), original, fallback or torch.zeros_like)
     if nucleus is not None:
@@ -125,7 +126,7 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams], fallback, lazy: b
 
         def exact(positions: torch.Tensor) -> torch.Tensor:
             rows = [top_p_rows[i] for i in positions.tolist()]
-            return _sampling_probs(original.index_select(0, _index(rows, dev)), [params[i] for i in rows], fallback)
+            return sampling_probs(original.index_select(0, index_tensor(rows, dev)), [params[i] for i in rows], fallback)
 
         nucleus.exact = exact
     return probs, nucleus
@@ -155,7 +156,7 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[Ge
     tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
     plain_set = set(plain)
     for rows, run in ((plain, _fused_draw), ([i for i in range(len(params)) if i not in plain_set], _general_draw)):
-        index = _index(rows, logits.device)
+        index = index_tensor(rows, logits.device)
         tokens[index] = run(logits.index_select(0, index), [params[i] for i in rows], [generators[i] for i in rows],
                             lambda dead, index=index: fallback(index[dead]))
     return tokens
@@ -189,7 +190,7 @@ def _fused_draw(logits, params, generators, fallback) -> torch.Tensor:
 
 
 def _general_draw(logits, params, generators, fallback) -> torch.Tensor:
-    probs, nucleus = _sampling_probs(logits, params, fallback, lazy_top_p=True)
+    probs, nucleus = sampling_probs(logits, params, fallback, lazy_top_p=True)
     return _draw(probs, generators, nucleus)
 
 
@@ -197,7 +198,7 @@ def _temperatures(params: list[SamplingParams], device: torch.device) -> torch.T
     """Each row's temperature as float32. NOTE: 1e308 is inf in float32, and -inf / inf is NaN:
     clamped to the largest float32, a huge temperature flattens the finite logits to (nearly) 0,
     a uniform draw over them."""
-    return torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device).clamp_(max=_F32.max)
+    return torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device).clamp_(max=F32.max)
 
 
 def _with_fallback(probs: torch.Tensor, logits: torch.Tensor, fallback) -> torch.Tensor:
@@ -207,20 +208,20 @@ def _with_fallback(probs: torch.Tensor, logits: torch.Tensor, fallback) -> torch
     dead = probs[:, 0].isnan()
     if bool(dead.any()):
         rows = dead.nonzero()[:, 0]
-        tokens = _greedy(logits.index_select(0, rows), lambda gone: fallback(rows[gone]))
+        tokens = greedy_ids(logits.index_select(0, rows), lambda gone: fallback(rows[gone]))
         probs[rows] = 0.0
         probs[rows, tokens.to(probs.device)] = 1.0
     return probs
 
 
-def _rows(t: torch.Tensor, sel: list[int]) -> torch.Tensor:
+def select_rows(t: torch.Tensor, sel: list[int]) -> torch.Tensor:
     """The selected rows as a tensor that may be edited in place (a view when it is all rows)."""
-    return t if len(sel) == t.shape[0] else t[_index(sel, t.device)]
+    return t if len(sel) == t.shape[0] else t[index_tensor(sel, t.device)]
 
 
 def _set_rows(t: torch.Tensor, sel: list[int], values: torch.Tensor) -> None:
     if values is not t:
-        t[_index(sel, t.device)] = values
+        t[index_tensor(sel, t.device)] = values
 
 
 def _top_p_cutoff(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -23,18 +23,9 @@ from itertools import chain
 import torch
 
 from cuda_ext import ops, reference
-from engine.random_sampling import (  # noqa: F401 (_sampling_probs: the tests' reference distribution)
-    _F32,
-    _NEG_INF,
-    Generator,
-    _greedy,
-    _guard_,
-    _index,
-    _rows,
-    _sampling_probs,
-    draw,
-)
+from engine.random_sampling import F32, NEG_INF, Generator, draw, greedy_ids, guard_, index_tensor, select_rows
 from engine.sampling_params import SamplingParams
+from engine.scheduler_output import SampleResult
 
 
 @dataclass(slots=True)
@@ -64,17 +55,6 @@ class SamplingRow:
                              or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
 
 
-@dataclass(slots=True)
-class SampleResult:
-    token_id: int
-    # Raw model log-probability of token_id, and its 1-based rank in the raw distribution; None
-    # for a row that needs neither (no logprobs asked, no best_of ranking: `needs_scores`).
-    logprob: float | None
-    rank: int | None
-    # The params.logprobs most likely raw tokens, best first; None when params.logprobs is None.
-    top_logprobs: list[tuple[int, float]] | None
-
-
 class Sampler:
     """Stateless: all per-request state (seeded generators, token history) comes in the rows."""
 
@@ -94,22 +74,22 @@ class Sampler:
                 scored.append(i)
 
         if not random:
-            token_ids = _greedy(adjusted, _raw_argmax(logits, greedy))
+            token_ids = greedy_ids(adjusted, _raw_argmax(logits, greedy))
         else:
             token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
             if greedy:
-                token_ids[_index(greedy, logits.device)] = _greedy(_rows(adjusted, greedy),
+                token_ids[index_tensor(greedy, logits.device)] = greedy_ids(select_rows(adjusted, greedy),
                                                                    _raw_argmax(logits, greedy))
             params = [rows[i].params for i in random]
-            sub = _rows(adjusted, random)
-            token_ids[_index(random, logits.device)] = draw(sub, params, [rows[i].generator for i in random],
+            sub = select_rows(adjusted, random)
+            token_ids[index_tensor(random, logits.device)] = draw(sub, params, [rows[i].generator for i in random],
                                                             _raw_argmax(logits, random))
         # NOTE: scoring costs full-vocabulary passes (logsumexp, rank): only for rows that use it.
         if len(scored) == len(rows):
             return score_tokens(logits, token_ids, [r.params.logprobs for r in rows])
         results = [SampleResult(t, None, None, None) for t in token_ids.tolist()]
         if scored:
-            index = _index(scored, logits.device)
+            index = index_tensor(scored, logits.device)
             for i, r in zip(scored, score_tokens(logits.index_select(0, index), token_ids.index_select(0, index),
                                                  [rows[i].params.logprobs for i in scored])):
                 results[i] = r
@@ -148,7 +128,7 @@ def _raw_argmax(logits: torch.Tensor, sel: list[int]):
     `sel`, the raw model's argmax of those rows (computed only when such a row exists)."""
 
     def fallback(dead: torch.Tensor) -> torch.Tensor:
-        return logits.index_select(0, _index(sel, logits.device)[dead]).argmax(dim=-1)
+        return logits.index_select(0, index_tensor(sel, logits.device)[dead]).argmax(dim=-1)
 
     return fallback
 
@@ -203,7 +183,7 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], vocab: int)
         dev = logits.device
         # NOTE: index_put_ with accumulate so a bias adds to the logit rather than replacing it.
         logits.index_put_(
-            (_index(r_idx, dev), _index(t_idx, dev)),
+            (index_tensor(r_idx, dev), index_tensor(t_idx, dev)),
             torch.tensor(vals, dtype=logits.dtype, device=dev),
             accumulate=True,
         )
@@ -217,7 +197,7 @@ def _apply_masks(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> N
                 r_idx.append(i)
                 t_idx.append(tok)
     if r_idx:
-        logits[_index(r_idx, logits.device), _index(t_idx, logits.device)] = _NEG_INF
+        logits[index_tensor(r_idx, logits.device), index_tensor(t_idx, logits.device)] = NEG_INF
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> None:
@@ -234,9 +214,9 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow], voc
     # NOTE: a penalty of 1e-300 is 0 in float32 and 1e308 is inf; 0 * inf would be NaN. Clamped
     # into the finite positive float32 range (ordinary penalties are unchanged), only an overflow
     # to +inf remains, which the guard turns into the largest float32.
-    penalty = _per_row(rows, lambda p: p.repetition_penalty, logits).clamp_(_F32.tiny, _F32.max)[pos // vocab]
+    penalty = _per_row(rows, lambda p: p.repetition_penalty, logits).clamp_(F32.tiny, F32.max)[pos // vocab]
     seen = flat[pos]
-    flat[pos] = _guard_(torch.where(seen > 0, seen / penalty, seen * penalty))
+    flat[pos] = guard_(torch.where(seen > 0, seen / penalty, seen * penalty))
 
 
 def _apply_frequency_presence(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> None:

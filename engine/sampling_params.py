@@ -14,8 +14,8 @@ import math
 import operator
 from dataclasses import dataclass, field
 
+from engine.guided_decoding import GuidedDecoding
 from engine.request_error import RequestError
-from engine.structured_output import GuidedDecoding
 
 _GREEDY_EPS = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a signed 64-bit integer

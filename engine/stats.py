@@ -7,7 +7,8 @@ from __future__ import annotations
 from engine.block_manager import BlockManager
 from engine.metrics import EngineStats
 from engine.outputs import RequestMetrics
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import SequenceGroup, SequenceStatus
 
 

@@ -9,16 +9,12 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING
 
 from engine.block_manager import AdmissionPlan, BlockManager
 from engine.config import SchedulerConfig
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.step_cost import StepCost
-
-if TYPE_CHECKING:
-    from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +62,10 @@ class PrefillCap:
         return StepCost()
 
     @classmethod
-    def of(cls, sched: Scheduler) -> PrefillCap | None:
-        """The scheduler's cap for the step it is about to plan; None without a target."""
+    def of(cls, sched) -> PrefillCap | None:
+        """The scheduler's cap for the step it is about to plan; None without a target.
+        `sched`: the `Scheduler` (its config, step_cost, clock, block_manager, running, waiting).
+        NOTE: not imported for the annotation: scheduler.py imports this module."""
         cfg, cost = sched.config, sched.step_cost
         if cost is None:  # NOTE: cost_for gives a cost model only with a target
             return None

@@ -8,7 +8,8 @@ llama.cpp): it compiles JSON schemas, regexes and Lark/GBNF grammars against the
 vocabulary and computes a step's mask in tens of microseconds, so we do not write our own.
 
 The pieces:
-- `GuidedDecoding`, the user's constraint, a small frozen value carried in `SamplingParams`.
+- `GuidedDecoding` (engine/guided_decoding.py), the user's constraint, a small frozen value
+  carried in `SamplingParams`.
 - `StructuredOutputCompiler`, one per engine: turns a constraint into a validated grammar
   (bad schemas and regexes raise `ValueError` with llguidance's message, for a 400) and
   starts a `GrammarState` from it.
@@ -26,48 +27,17 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
+from engine.guided_decoding import GuidedDecoding
 
-KINDS = ("json", "regex", "choice", "grammar")
+logger = logging.getLogger(__name__)
 
 # The compiled-grammar cache of a compiler holds at most this many grammars, and at most this
 # many bytes of constraint and grammar text (a user's schema can be megabytes).
 GRAMMAR_CACHE_ENTRIES = 256
 GRAMMAR_CACHE_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class GuidedDecoding:
-    """What the output must match. `kind` is one of:
-    - "json": `value` is a JSON schema, serialised (`{"type": "object"}` means any object);
-    - "regex": `value` is a regular expression the whole output must match (Rust syntax);
-    - "choice": `value` is a JSON list of strings, the output is exactly one of them;
-    - "grammar": `value` is a Lark or GBNF (llama.cpp) grammar.
-    """
-
-    kind: str
-    value: str
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"guided decoding kind must be one of {', '.join(KINDS)}, got {self.kind!r}.")
-        if not isinstance(self.value, str):
-            raise ValueError(f"guided decoding value must be a string, got {type(self.value).__name__}.")
-
-    @classmethod
-    def json_schema(cls, schema: dict | str | None = None) -> "GuidedDecoding":
-        """Any JSON object when `schema` is None."""
-        if schema is None:
-            schema = {"type": "object"}
-        return cls("json", schema if isinstance(schema, str) else json.dumps(schema))
-
-    @classmethod
-    def choice(cls, choices: list[str]) -> "GuidedDecoding":
-        return cls("choice", json.dumps(list(choices)))
 
 
 def _grammar_text(spec: GuidedDecoding) -> str:

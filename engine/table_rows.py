@@ -18,6 +18,16 @@ from __future__ import annotations
 
 from array import array
 
+# NOTE: a C array, not a list: the attention metadata copies every decode's table into one
+# tensor at every step, which is a memcpy per table for an array and a Python-int conversion per
+# block for a list (~45 ns a block: 1.5 ms a step at 256 sequences of 2,048 tokens).
+BlockTable = array
+
+
+def new_table(ids=()) -> BlockTable:
+    """A block table (int32 block ids) holding `ids`."""
+    return array("i", ids)
+
 
 class TableRows:
     def __init__(self, num_rows: int = 16, width: int = 16):

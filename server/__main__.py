@@ -10,7 +10,7 @@ from typing import Any
 
 import uvicorn
 
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from server.app import create_app
 from server.cli import parse_args
 from server.shutdown import DrainingServer

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from engine.config import QUANTIZATIONS, SCHEDULING_POLICIES, EngineArgs, parse_size
+from engine.config import QUANTIZATIONS, SCHEDULING_POLICIES, parse_size
+from engine.engine_args import EngineArgs
 from engine.models.linear_kernel import KERNELS as LINEAR_KERNELS
 from server.settings import ServerSettings
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.structured_output import GuidedDecoding
+from engine.guided_decoding import GuidedDecoding
 from server.errors import bad_request
 from server.protocol import JsonTooDeep, JsonValueError, check_json_value
 from server.settings import ServerSettings

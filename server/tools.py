@@ -26,7 +26,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine.structured_output import GuidedDecoding, validate
+from engine.guided_decoding import GuidedDecoding
+from engine.structured_output import validate
 from server.errors import bad_request
 from server.protocol import (
     JsonTooDeep,

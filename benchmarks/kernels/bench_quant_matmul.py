@@ -12,9 +12,11 @@ Prefill (M = 16, 64, 256, --prefill): GFLOP/s against the same fp32 baselines an
 `F.linear` (oneDNN; dtype auto's choice on AVX512-BF16 CPUs).
 
 Libraries (--libs): torch's own weight-only int8 (`_weight_int8pack_mm`, per-channel scales),
-int4 (`_weight_int4pack_mm_for_cpu`, groups of 32, bf16) and int8 x int8 (`_int_mm`, which
-also needs the activations quantized and the int32 result scaled, not counted here) on the
-1.7B shapes, with the same rotation.
+int4 (`_weight_int4pack_mm_for_cpu`, groups of 32, bf16), int8 x int8 (`_int_mm`, which
+also needs the activations quantized and the int32 result scaled, not counted here) and oneDNN's
+int8 linear (`onednn.qlinear_pointwise`: u8 activations with one scale and zero point, s8
+weights with per-channel scales, fp32 out; the activations' quantization not counted) on the
+1.7B shapes, with the same rotation. None of them holds GGUF's per-block scales.
 
 Each shape's rounds interleave every candidate (and sum()); figures are medians over rounds of
 each round's median. Which kernel path ran (avx512_vnni, avx_vnni, avx2, portable) is printed.
@@ -165,7 +167,7 @@ def bench_libs(shapes: list[Shape], rounds: int, iters: int) -> None:
     print(f"torch's quantized CPU paths against quant_matmul ({torch.get_num_threads()} threads), ms, medians of "
           f"{rounds} interleaved rounds; weights rotating over >= 256 MiB each")
     print(f"  {'shape':18s} {'M':>4s} {'quant_matmul':>12s} {'int8pack fp32':>13s} {'int8pack bf16':>13s} "
-          f"{'int4pack bf16':>13s} {'_int_mm':>8s}")
+          f"{'int4pack bf16':>13s} {'_int_mm':>8s} {'onednn s8':>9s}")
     for s in shapes:
         w, packed = weights(s)
         scales = w.abs().amax(1) / 127
@@ -175,7 +177,10 @@ def bench_libs(shapes: list[Shape], rounds: int, iters: int) -> None:
         int4 = itertools.cycle([int4_pack(w)] + [tuple(t.clone() for t in int4_pack(w))
                                                  for _ in range(max(0, POOL_BYTES // (s.n * s.k // 2) - 1))])
         int8_t = rotation(w8.t(), s.n * s.k)  # [K, N] column-major
+        zeros = torch.zeros(s.n, dtype=torch.int64)
         for m in (1, 64, 256):
+            onednn = rotation(torch.ops.onednn.qlinear_prepack(w8, [m, s.k]), s.n * s.k)
+            xu8 = torch.randint(0, 256, (m, s.k), dtype=torch.uint8)
             x = torch.randn(m, s.k)
             x16 = x.bfloat16()
             a8 = torch.randint(-127, 128, (max(m, 17), s.k), dtype=torch.int8)  # _int_mm needs > 16 rows
@@ -183,13 +188,16 @@ def bench_libs(shapes: list[Shape], rounds: int, iters: int) -> None:
             fns = (lambda: ops.quant_matmul(x, next(quant)), lambda: torch._weight_int8pack_mm(x, next(int8), scales),
                    lambda: torch._weight_int8pack_mm(x16, next(int8), s16),
                    lambda: int4_mm(x16, next(int4)),
-                   lambda: torch._int_mm(a8, next(int8_t)))
+                   lambda: torch._int_mm(a8, next(int8_t)),
+                   lambda: torch.ops.onednn.qlinear_pointwise(xu8, 0.05, 128, next(onednn), scales, zeros, None, 1.0, 0,
+                                                              torch.float32, "none", [], ""))
             res: list[list[float]] = [[] for _ in fns]
             for _ in range(rounds):
                 for i, fn in enumerate(fns):
                     res[i].append(median_s(fn, iters) * 1e3)
             t = [statistics.median(r) for r in res]
-            print(f"  {s.name:18s} {m:4d} {t[0]:12.3f} {t[1]:13.3f} {t[2]:13.3f} {t[3]:13.3f} {t[4]:8.3f}")
+            print(f"  {s.name:18s} {m:4d} {t[0]:12.3f} {t[1]:13.3f} {t[2]:13.3f} {t[3]:13.3f} {t[4]:8.3f} {t[5]:9.3f}")
+            del onednn
         del quant, int8, int4, int8_t
 
 

@@ -34,14 +34,8 @@ from torch import nn
 from engine.models.gguf_file import PERMUTED_QK, GGUFFile
 from engine.models.layers import RotaryEmbedding
 from engine.models.llama import model_class
-from engine.models.quant_linear import (
-    QUANTIZE_TYPES,
-    QuantEmbedding,
-    QuantLinear,
-    QuantLMHead,
-    log_fallbacks,
-    quantize_to,
-)
+from engine.models.quant_linear import QUANTIZE_TYPES, QuantEmbedding, QuantLinear, QuantLMHead
+from engine.models.quantize import log_fallbacks, quantize_to
 from engine.models.quant_ops import qops
 
 logger = logging.getLogger(__name__)

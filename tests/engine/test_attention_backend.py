@@ -14,7 +14,7 @@ import torch
 from cuda_ext import ops
 from engine import attention_backend
 from engine.attention_backend import TorchPagedBackend
-from engine.model_runner import SeqInput
+from engine.scheduler_output import SeqInput
 from engine.table_rows import TableRows
 
 BS = 4

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cuda_ext import ops
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.models import decoder_stack, linear_kernel
 from engine.sampling_params import SamplingParams

@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from benchmarks.quant_quality import kl_and_top1, prompt_logits
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.executor import create_executor
-from engine.model_runner import ModelRunner, SeqInput, StepInput
+from engine.model_runner import ModelRunner
+from engine.scheduler_output import SeqInput, StepInput
 from engine.models import decoder_stack
 from engine.models.gguf_file import GGUFError
 from engine.models.gguf_weights import unpermute_rows
@@ -347,7 +348,7 @@ def test_tensor_parallelism_refuses_quantized_weights_before_starting_workers(tm
 def test_k_quant_rows_not_whole_blocks_fall_back_to_q8_0_and_are_counted():
     from collections import Counter
 
-    from engine.models.quant_linear import quantize_to
+    from engine.models.quantize import quantize_to
 
     fallbacks = Counter()
     narrow = quantize_to(torch.randn(64, 576), "q4_k", fallbacks)  # 576 = 2.25 blocks of 256

@@ -4,7 +4,7 @@ preemptions. The tables are checked against the block manager's own state."""
 
 from __future__ import annotations
 
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 

@@ -286,7 +286,7 @@ def test_engine_finishes_random_workloads_on_a_small_pool(chunked, prefix, mode,
     """The engine itself (tiny dummy model): n / best_of / beams up to max_num_seqs, prompts
     sharing prefixes, arrivals over time; every request ends with its full output within the
     bound, and the pool is free at the end."""
-    from engine.config import EngineArgs
+    from engine.engine_args import EngineArgs
     from engine.llm_engine import LLMEngine
 
     max_len, seqs = gpu * bs, 6

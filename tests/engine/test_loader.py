@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.models.loader import resolve_model
 from engine.sampling_params import SamplingParams
 

@@ -121,7 +121,7 @@ def test_read_memory_in_a_container_and_without_any_limit(tmp_path):
 
 def test_an_engine_started_without_the_flags_gets_its_pools_from_the_rule(caplog):
     from engine.cache_engine import bytes_per_block
-    from engine.config import EngineArgs
+    from engine.engine_args import EngineArgs
     from engine.llm_engine import LLMEngine
 
     args = EngineArgs(model="tiny-4kv", load_format="dummy", device="cpu", dtype="float32", linear_kernel="torch",

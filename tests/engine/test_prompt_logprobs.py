@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import model_runner
+from engine import scheduler_output
 from engine.sampling_params import SamplingParams
 from tests.engine.prompts import prompt_of_length
 
@@ -163,7 +163,7 @@ def test_lm_head_rows_bounded_by_chunk(make_llm, prompts, reference, monkeypatch
     prompts of 130 and 37 tokens in one step (165 prompt rows, so chunks span both) never give
     the LM head more than 16 rows at once, and their logprobs still equal HF's."""
     chunk = 16
-    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_CHUNK_ROWS", chunk)
+    monkeypatch.setattr(scheduler_output, "PROMPT_LOGPROB_CHUNK_ROWS", chunk)
     llm = make_llm(block_size=16)
     model = llm.engine.executor.runner.model
     calls: list[int] = []

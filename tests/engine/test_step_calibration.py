@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.step_calibration import calibrate_step_cost

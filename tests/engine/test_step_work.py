@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.outputs import OutputKind
 from engine.sampling_params import SamplingParams
@@ -76,7 +76,7 @@ def test_a_long_streamed_text_is_sliced_per_step_never_joined_whole(tokenizer):
     delta joins only the new pieces of text, never the whole text so far, and the deltas add up
     to the final text."""
     from engine.output_processor import OutputProcessor
-    from engine.sampler import SampleResult
+    from engine.scheduler_output import SampleResult
     from engine.sequence import SequenceGroup
 
     processor = OutputProcessor(tokenizer, tokenizer.eos_token_id, 4096)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.structured_output import GuidedDecoding, StructuredOutputCompiler, apply_grammar_masks
+from engine.guided_decoding import GuidedDecoding
+from engine.structured_output import StructuredOutputCompiler, apply_grammar_masks
 
 BASE = {"block_size": 16}
 PERSON = {

@@ -20,9 +20,9 @@ import time
 import pytest
 import torch.multiprocessing as mp
 
-from engine import model_runner
+from engine import scheduler_output
 from engine.executor import WorkerDiedError, _free_port
-from engine.model_runner import StepInput
+from engine.scheduler_output import StepInput
 from engine.sampling_params import SamplingParams
 from tests.engine.test_hf_equality import assert_matches
 from tests.parallel.conftest import top2_of, tp_llm
@@ -44,7 +44,7 @@ def compare(ours, reference, label: str) -> None:
 
 def test_step_input_is_lean_and_picklable():
     """What the driver sends each step: plain ids and tables, no Sequence (it holds detokenizers)."""
-    from engine.scheduler import ScheduledSeq, SchedulerOutput
+    from engine.scheduler_output import ScheduledSeq, SchedulerOutput
     from engine.sequence import Sequence
 
     prefill, decode = Sequence(list(range(40))), Sequence([1, 2, 3])
@@ -99,7 +99,7 @@ def test_prompt_logprobs_tp2_equal_tp1(monkeypatch):
     the StepInput, so every rank gathers the same rows. Mixed with a request that asks for none.
     Chunks of 8 rows (set on the driver only; the StepInput carries it to the worker) make
     several LM-head calls, some spanning two prompts, that both ranks must make in lockstep."""
-    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_CHUNK_ROWS", 8)
+    monkeypatch.setattr(scheduler_output, "PROMPT_LOGPROB_CHUNK_ROWS", 8)
     prompts = [[(5 * i + j) % 1000 + 3 for j in range(20 + 7 * i)] for i in range(3)]
     with_pl = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
     params = [with_pl, greedy(2), with_pl]

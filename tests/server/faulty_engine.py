@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
 
 FAIL = "FAULT:FAIL"

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineState, QueueFullError, RequestFailedError
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.sampling_params import SamplingParams
 from tests.server.faulty_engine import FAIL, KILL, FaultyEngine
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import CPU_CHUNKED_BUDGET, GPU_CHUNKED_BUDGET
+from engine.engine_args import CPU_CHUNKED_BUDGET, GPU_CHUNKED_BUDGET
 from server.cli import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,6 +114,6 @@ def test_scheduling_policy_flag_reaches_the_scheduler_and_bad_values_are_refused
     assert sched.scheduling_policy == "fcfs"
     with pytest.raises(SystemExit):
         parse_args(["--scheduling-policy", "random"])
-    from engine.config import EngineArgs
+    from engine.engine_args import EngineArgs
     with pytest.raises(ValueError, match="scheduling_policy"):
         EngineArgs(model="tiny-4kv", load_format="dummy", scheduling_policy="lifo").create_engine_config()

@@ -10,7 +10,8 @@ import json
 import httpx
 import pytest
 
-from engine.structured_output import GuidedDecoding, validate
+from engine.guided_decoding import GuidedDecoding
+from engine.structured_output import validate
 from engine.tokenizer import apply_chat_template
 from server.errors import OpenAIError
 from server.input_processor import InputProcessor

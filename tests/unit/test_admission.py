@@ -15,7 +15,7 @@ from engine.block_manager import BlockManager
 from engine.request_checks import check_fits
 from engine.request_error import CONTEXT_LENGTH_EXCEEDED, RequestError
 from engine.sampling_params import SamplingParams
-from engine.structured_output import GuidedDecoding
+from engine.guided_decoding import GuidedDecoding
 from server.errors import from_request_error
 
 LIMITS = AdmissionLimits(vocab_size=100, max_model_len=32)

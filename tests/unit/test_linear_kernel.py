@@ -190,7 +190,7 @@ def test_the_probe_weights_each_shape_by_its_layers_and_rotates_bounded_weight_c
 
 
 def test_engine_args_reject_an_unknown_kernel():
-    from engine.config import EngineArgs
+    from engine.engine_args import EngineArgs
 
     with pytest.raises(ValueError, match="linear_kernel"):
         EngineArgs(model="tiny-4kv", load_format="dummy", linear_kernel="blas").create_engine_config()
@@ -242,7 +242,7 @@ def test_auto_dtype_is_float32_without_native_bf16(monkeypatch):
 def test_auto_dtype_probes_this_cpu_and_engine_args_follow_it():
     """The real probe on this machine: bf16 only where oneDNN packs it; EngineArgs' auto is that
     choice on a CPU, and an explicit dtype is kept."""
-    from engine.config import EngineArgs
+    from engine.engine_args import EngineArgs
 
     auto = EngineArgs(model="tiny-4kv", load_format="dummy", device="cpu").create_engine_config().model.dtype
     assert auto == linear_kernel.choose_cpu_dtype(meta_model("tiny-4kv"))[0]

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import Sampler, SamplingRow, _sampling_probs, score_tokens, top_candidates
+from engine.random_sampling import sampling_probs
+from engine.sampler import Sampler, SamplingRow, score_tokens, top_candidates
 from engine.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -200,7 +201,7 @@ def hf_warped(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def test_sampling_probs_match_hf_warpers(settings_):
     p = SamplingParams(**settings_)
     logits = random_logits(6, vocab=2000, seed=3)
-    ours = _sampling_probs(logits, [p] * 6)
+    ours = sampling_probs(logits, [p] * 6)
     expected = hf_warped(logits, p)
     assert torch.equal(ours > 0, expected > 0)  # the same support
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-6)
@@ -210,7 +211,7 @@ def test_top_p_with_a_wide_nucleus_falls_back_to_a_full_sort():
     """Nearly flat logits: the nucleus is far wider than the first candidates looked at."""
     p = SamplingParams(temperature=1.0, top_p=0.9)
     logits = random_logits(2, vocab=5000, seed=4, scale=0.01)
-    ours = _sampling_probs(logits, [p, p])
+    ours = sampling_probs(logits, [p, p])
     expected = hf_warped(logits, p)
     assert torch.equal(ours > 0, expected > 0)
     assert 4000 < int((ours[0] > 0).sum()) < 5000
@@ -261,13 +262,13 @@ def test_tiny_top_p_and_tight_filters_sample_the_argmax(sampler):
                    dict(top_p=1e-300, min_p=1.0, top_k=1), dict(min_p=1e-300, top_p=1e-300)):
         out = sampler(logits, [row(temperature=1.0, seed=i, **params) for i in range(16)])
         assert [r.token_id for r in out] == best, params
-        probs = _sampling_probs(logits, [SamplingParams(temperature=1.0, **params)] * 16)
+        probs = sampling_probs(logits, [SamplingParams(temperature=1.0, **params)] * 16)
         assert torch.equal(probs.argmax(-1), torch.tensor(best)) and torch.isfinite(probs).all()
 
 
 def test_top_p_keeps_every_token_tied_with_the_best():
     logits = torch.tensor([[1.0, 3.0, 3.0, -2.0, 3.0]])
-    probs = _sampling_probs(logits, [SamplingParams(top_p=1e-300)])
+    probs = sampling_probs(logits, [SamplingParams(top_p=1e-300)])
     torch.testing.assert_close(probs[0], torch.tensor([0.0, 1 / 3, 1 / 3, 0.0, 1 / 3]))
 
 
@@ -407,10 +408,10 @@ def test_drawn_token_is_allowed(
                                     dict(top_p=0.9, temperature=3.0)], ids=str)
 def test_top_p_by_rejection_draws_from_the_exact_nucleus(sampler, params):
     """The sampler applies top-p by rejection (no sort of the vocabulary); its draws follow the
-    exact distribution `_sampling_probs` computes with the sorted cut-off, and never leave it."""
+    exact distribution `sampling_probs` computes with the sorted cut-off, and never leave it."""
     params = {"temperature": 1.0, **params}
     logits = random_logits(1, vocab=50, seed=12, scale=1.5).expand(20000, -1)
-    exact = _sampling_probs(logits[:1], [SamplingParams(**params)])[0]
+    exact = sampling_probs(logits[:1], [SamplingParams(**params)])[0]
     torch.manual_seed(0)
     tokens = torch.tensor([r.token_id for r in sampler(logits, [row(**params) for _ in range(20000)])])
     freq = torch.bincount(tokens, minlength=50).float() / 20000

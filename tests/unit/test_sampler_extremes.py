@@ -13,7 +13,8 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import Sampler, SamplingRow, _sampling_probs, needs_scores
+from engine.random_sampling import sampling_probs
+from engine.sampler import Sampler, SamplingRow, needs_scores
 from engine.sampling_params import SamplingParams
 
 INF, NAN = float("inf"), float("nan")
@@ -208,7 +209,7 @@ def test_sampler_with_extreme_params(source, vocab, data_seed, scale, neg_inf, m
         assert not math.isnan(result.logprob) and result.rank >= 1
 
     if not p.is_greedy:
-        probs = _sampling_probs(adjusted, [p])
+        probs = sampling_probs(adjusted, [p])
         check_probs(probs)
         if not all_masked:
             assert probs[0, result.token_id] > 0  # drawn from what the settings allow
@@ -217,7 +218,7 @@ def test_sampler_with_extreme_params(source, vocab, data_seed, scale, neg_inf, m
 
 def test_huge_temperature_is_uniform_over_the_unmasked():
     logits = torch.tensor([[5.0, -3.0, -INF, 0.5, -INF, 40.0]])
-    probs = _sampling_probs(logits, [SamplingParams(temperature=1e308)])
+    probs = sampling_probs(logits, [SamplingParams(temperature=1e308)])
     torch.testing.assert_close(probs[0], torch.tensor([0.25, 0.25, 0.0, 0.25, 0.0, 0.25]))
 
 
@@ -247,7 +248,7 @@ def test_all_neg_inf_raw_row_is_defined():
     out = Sampler()(logits, rows)
     assert all(0 <= r.token_id < 8 and r.logprob == -INF for r in out)
     assert all(v == -INF for r in out for _, v in r.top_logprobs)
-    check_probs(_sampling_probs(logits, [rows[1].params]))
+    check_probs(sampling_probs(logits, [rows[1].params]))
 
 
 # --- beam search ---------------------------------------------------------------------------------

@@ -10,9 +10,9 @@ import re
 import pytest
 import torch
 
+from engine.guided_decoding import GuidedDecoding
 from engine.structured_output import (
     GrammarCache,
-    GuidedDecoding,
     StructuredOutputCompiler,
     apply_grammar_masks,
     entry_bytes,
