@@ -86,6 +86,10 @@ class BlockManager:
         """The sequence's device block ids: the live array (do not modify it)."""
         return self.tables[seq.seq_id]
 
+    def take_table_changes(self) -> list[tuple]:
+        """The device tables' changes since the last call (`TableRows.take_changes`)."""
+        return self.rows.take_changes()
+
     @property
     def num_free_device_blocks(self) -> int:
         return self.device.num_free

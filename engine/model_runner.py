@@ -66,6 +66,7 @@ class SeqInput:
     # With prompt_logprobs, a chunk short of the prompt's end: the prompt token after
     # token_ids, which the last row scores too (-1: none).
     score_next: int = -1
+    seq_id: int = -1  # the sequence's id: its table's key in a worker's persistent batch
 
     @property
     def score_targets(self) -> list[int]:
@@ -86,6 +87,9 @@ class StepInput:
     logit_chunk_rows: int = PROMPT_LOGPROB_CHUNK_ROWS
     # The block manager's tables as matrix rows; None on a tensor-parallel worker (not pickled).
     table_rows: TableRows | None = None
+    # The device tables' changes since the last step (`SchedulerOutput.table_changes`): all a
+    # tensor-parallel worker is sent of the tables (engine/persistent_batch.py).
+    table_changes: list[tuple] = field(default_factory=list)
 
     @classmethod
     def from_scheduler_output(cls, out: SchedulerOutput, prompt_logprobs: Mapping[int, int] | None = None) -> "StepInput":
@@ -105,9 +109,9 @@ class StepInput:
             # before the block manager changes again (pickled for tensor-parallel workers).
             row = -1 if s.is_prefill else row_of.get(seq.seq_id, -1)
             seqs.append(SeqInput(ids, start, s.block_table, s.is_prefill, k, row,
-                                 prompt_logprobs[i] if scored else -1))
+                                 prompt_logprobs[i] if scored else -1, seq.seq_id))
         return cls(seqs, list(out.blocks_to_swap_in), list(out.blocks_to_swap_out), list(out.blocks_to_copy),
-                   PROMPT_LOGPROB_CHUNK_ROWS, out.table_rows)
+                   PROMPT_LOGPROB_CHUNK_ROWS, out.table_rows, out.table_changes)
 
 
 @dataclass

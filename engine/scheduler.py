@@ -233,6 +233,7 @@ class Scheduler:
                                        logical_block=s.block_table.index(cow[1]))
         out.num_batched_tokens = self.config.max_num_batched_tokens - step.tokens
         out.table_rows = self.block_manager.rows
+        out.table_changes = self.block_manager.take_table_changes()
         return out
 
     # ---------------------------------------------------------------- making room

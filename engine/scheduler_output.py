@@ -41,6 +41,9 @@ class SchedulerOutput:
     num_batched_tokens: int = 0  # sum of num_tokens
     # the block manager's device tables as matrix rows (read-only here, like `block_table`)
     table_rows: TableRows | None = None
+    # the device tables' changes since the last step (`TableRows.take_changes`, oldest first):
+    # what a tensor-parallel worker applies to its own copy of the tables
+    table_changes: list[tuple] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

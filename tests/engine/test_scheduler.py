@@ -30,6 +30,11 @@ def fake_step(sched: Scheduler):
     """schedule, 'run' (mark computed, register prefilled blocks, append a token unless a partial
     prefill chunk), finish at max_tokens, free."""
     out = sched.schedule()
+    return out, complete(sched, out)
+
+
+def complete(sched: Scheduler, out: SchedulerOutput):
+    """The rest of `fake_step` once `out` is scheduled; returns the finished requests."""
     for s in out.scheduled:
         s.seq.num_computed_tokens += s.num_tokens
         if s.is_prefill:  # as the engine does: computed full blocks join the prefix cache
@@ -43,7 +48,7 @@ def fake_step(sched: Scheduler):
             s.seq.status = SequenceStatus.FINISHED_LENGTH
     finished = sched.free_finished()
     sched.block_manager.check_integrity()
-    return out, finished
+    return finished
 
 
 def test_new_request_joins_running_batch_mid_flight():
