@@ -93,7 +93,7 @@ class StepInput:
 
     @classmethod
     def from_scheduler_output(cls, out: SchedulerOutput, prompt_logprobs: Mapping[int, int] | None = None) -> "StepInput":
-        """Read before the engine advances `num_computed_tokens` for this step.
+        """Read before the block manager changes again (the tables are its live arrays).
         `prompt_logprobs`: indices into `out.scheduled` of prefills whose rows score prompt
         tokens with their request's `params.prompt_logprobs` alternatives (see
         `ModelRunner.execute`), each mapped to its `SeqInput.score_next`."""
@@ -101,7 +101,7 @@ class StepInput:
         seqs = []
         row_of = out.table_rows.row_of if out.table_rows is not None else {}
         for i, s in enumerate(out.scheduled):
-            seq, start = s.seq, s.seq.num_computed_tokens
+            seq, start = s.seq, s.start
             ids = seq.tokens(start, start + s.num_tokens) if s.is_prefill else [seq.last_token_id]
             scored = s.is_prefill and i in prompt_logprobs
             k = s.group.params.prompt_logprobs if scored else None

@@ -30,10 +30,10 @@ def check_request(token_ids: list[int], params: SamplingParams, config: EngineCo
             f"{len(token_ids) + n_out} tokens ({len(token_ids)} in the messages, {n_out} in the "
             "completion). Please reduce the length of the messages or completion."
         )
-    needed = bm.num_blocks_for(max(len(token_ids), bm.reserve_tokens or 0))
-    if needed > bm.device.num_blocks:
+    needed, total = bm.blocks_to_hold(len(token_ids)), bm.usage().num_device_blocks
+    if needed > total:
         raise ValueError(
-            f"The prompt needs {needed} KV blocks but the whole KV cache has {bm.device.num_blocks}; "
+            f"The prompt needs {needed} KV blocks but the whole KV cache has {total}; "
             "it can never be scheduled."
         )
     _check_width(len(token_ids), params, config, bm)
@@ -52,10 +52,10 @@ def _check_width(prompt_len: int, params: SamplingParams, config: EngineConfig, 
     if params.use_beam_search:
         length = max(prompt_len + max_tokens_for(prompt_len, params, config.model.max_model_len),
                      bm.reserve_tokens or 0)
-        needed = width * bm.num_blocks_for(length)
-        if needed > bm.device.num_blocks:
+        needed, total = width * bm.blocks_to_hold(length), bm.usage().num_device_blocks
+        if needed > total:
             raise ValueError(
                 f"{field} {width} is too wide for beam search over {length} tokens (prompt and max_tokens): "
                 f"the beams may need {needed} KV blocks of {bm.block_size} tokens, and the whole KV cache has "
-                f"{bm.device.num_blocks}. Lower the beam width or max_tokens."
+                f"{total}. Lower the beam width or max_tokens."
             )

@@ -21,12 +21,12 @@ class ScheduledSeq:
     # False for a prefill chunk that stops short of the sequence's last token: its logits row is
     # ignored and no token is appended (chunked prefill); True otherwise.
     samples: bool = True
+    start: int = 0  # the tokens of `seq` computed before this step (the position of the first one it computes)
 
     @property
     def context_tokens(self) -> int:
-        """The tokens this step attends over for `seq` (computed before it plus this step's),
-        read before the scheduler advances the sequence."""
-        return self.seq.num_computed_tokens + self.num_tokens
+        """The tokens this step attends over for `seq` (computed before it plus this step's)."""
+        return self.start + self.num_tokens
 
 
 @dataclass

@@ -122,20 +122,20 @@ def step(sched: Scheduler, rng: random.Random, w: World, batch: PersistentBatch)
         if s.is_prefill and g.prompt_logprobs_pending and s.seq is g.seqs[0]:
             # what engine/prompt_logprobs.py gathers: this chunk's rows score the positions after
             # them; none may be left unscored before the chunk (prefix hits stop short of them)
-            so_far, start, prompt = g.prompt_logprobs_so_far, s.seq.num_computed_tokens, g.prompt_token_ids
+            so_far, start, prompt = g.prompt_logprobs_so_far, s.start, g.prompt_token_ids
             assert start < len(so_far), (g.request_id, start, len(so_far))
             so_far.extend({} for _ in range(len(so_far), min(start + s.num_tokens + 1, len(prompt))))
             if start + s.num_tokens >= len(prompt):
                 g.prompt_logprobs = so_far
                 if start > 0:
                     event("prompt logprobs over several chunks")
-        s.seq.num_computed_tokens += s.num_tokens
-        assert s.seq.num_computed_tokens <= len(s.seq)
-        if s.is_prefill:
-            bm.register_full_blocks(s.seq, None)
+        # NOTE: what Scheduler.update_from_output does first (the forks below need it)
+        assert s.start == bm.num_computed_tokens(s.seq)
+        bm.mark_computed(s.seq, s.num_tokens, None)
+        assert bm.num_computed_tokens(s.seq) <= len(s.seq)
         if not s.samples:
             continue
-        assert s.seq.num_uncomputed_tokens == 0
+        assert bm.num_uncomputed_tokens(s.seq) == 0
         assert not g.prompt_logprobs_pending, "sampled before its prompt logprobs were complete"
         if g.is_beam_search:
             beams.setdefault(g.request_id, [g, []])[1].append(s.seq)
@@ -225,7 +225,7 @@ def run(w: World) -> int:
         oldest_since = max(oldest_since, finished_at[g.request_id])
     assert not sched.has_unfinished()
     bm.check_integrity()
-    assert not bm.tables and not bm.cpu_tables
+    assert not bm.tables and not bm.cpu_tables and bm.all_free(), "a table or a sequence's KV record leaked"
     batch.apply(bm.take_table_changes())
     assert not batch.tables, "a worker still holds tables of finished sequences"
     assert bm.device.num_free == bm.device.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks
