@@ -152,8 +152,7 @@ class Scheduler:
         return done
 
     def reset(self) -> None:
-        """A fresh KV pool (no prefix-cache entries, blocks handed out from id 0 again), the
-        preemption and swap totals and the event log back to empty: after the start-up
+        """A fresh KV pool and empty preemption, swap and event totals: after the start-up
         calibration's requests (engine/step_calibration.py), with no request left."""
         self.block_manager.reset()
         self.num_preemptions = {"swap": 0, "recompute": 0}
