@@ -90,14 +90,15 @@ class _KVSampler:
         for group in self.engine.scheduler.running:
             final = len(group.prompt_token_ids) + group.params.max_tokens - 1  # the last token is never fed back
             for seq in group.seqs_with_status(SequenceStatus.RUNNING):
-                held = len(bm.tables.get(seq.seq_id, ())) * bm.block_size
+                held = bm.num_slots(seq)
                 running += 1
                 self.held += held
                 self.never_written += held - min(held, final)
                 self.unwritten += held - min(held, len(seq))  # this step writes up to len(seq)
         self.steps += 1
         self.running.append(running)
-        self.used_blocks.append(bm.device.num_blocks - bm.device.num_free)
+        usage = bm.usage()
+        self.used_blocks.append(usage.num_device_blocks - usage.num_free_device_blocks)
 
 
 def _latency_summary(values_s: list[float]) -> dict[str, float]:
@@ -155,7 +156,7 @@ def measure_engine(args, kv_allocation: str, lengths: list[int], max_tokens: int
              for m in metrics if m.num_generation_tokens > 1]
     return EngineWasteResult(
         kv_allocation=kv_allocation,
-        num_kv_blocks=bm.device.num_blocks,
+        num_kv_blocks=bm.usage().num_device_blocks,
         block_size=bm.block_size,
         num_requests=len(work),
         num_steps=sampler.steps,
@@ -163,7 +164,7 @@ def measure_engine(args, kv_allocation: str, lengths: list[int], max_tokens: int
         mean_running_seqs=statistics.fmean(sampler.running),
         time_avg_waste=sampler.never_written / sampler.held,
         time_avg_unwritten=sampler.unwritten / sampler.held,
-        peak_kv_usage=max(sampler.used_blocks) / bm.device.num_blocks,
+        peak_kv_usage=max(sampler.used_blocks) / bm.usage().num_device_blocks,
         num_preemptions=sum(engine.scheduler.num_preemptions.values()),
         wall_s=wall,
         request_throughput=len(work) / wall,

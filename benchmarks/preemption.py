@@ -44,7 +44,7 @@ def run(mode: str, blocks: int | None, args, prompts_seed: int) -> dict:
     stats = llm.engine.last_stats
     return {
         "mode": mode if blocks else "ample",
-        "device_blocks": llm.engine.block_manager.device.num_blocks,
+        "device_blocks": llm.engine.block_manager.usage().num_device_blocks,
         "output_tokens_per_s": args.num_requests * args.max_tokens / wall,
         "e2e_p50_s": statistics.median(e2e),
         "e2e_p99_s": percentile(e2e, 99),

@@ -90,7 +90,7 @@ class PoolObserver:
     def _observe(self):
         out = self._schedule()
         bm = self.engine.block_manager
-        shared = bm.usage()["device_used"]
+        shared = bm.usage().device_used
         private = sum(len(t) for t in bm.tables.values())
         if private:
             self.steps.append((shared, private))

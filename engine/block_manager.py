@@ -1,16 +1,17 @@
 """Per-sequence block tables over two `BlockPool`s: the device pool (where attention reads K/V)
 and the CPU swap pool. Allocation on demand, copy-on-write, prefix-cache hashes and the device
-<-> CPU swap maps. Pure Python bookkeeping, no tensors; only the scheduler calls it.
+<-> CPU swap maps. Pure Python bookkeeping, no tensors. The only writer of the KV state: the
+tables and each sequence's `SeqKv` record (engine/seq_kv.py: tokens computed, block hashes, the
+sibling whose blocks it shares; made at admission or its first prefix-cache lookup, dropped by
+`free`). Only the scheduler calls the methods that change it; others read it through the small
+read-only ones (`block_table`, `num_computed_tokens`, `usage`, `describe_table`, `block_states`).
 
 A sequence's table lives in exactly one pool (device while it runs, CPU while swapped) and is an
 `array('i')` of block ids (`BlockTable`): `block_table` hands out that array itself (no copy),
 valid until the next call here. "Does not fit" is a return value (`plan(...).status`, the
 `can_*` methods), never an exception.
 
-Prefix caching: each sequence keeps the chain of its full blocks' hashes (`Sequence.block_hashes`,
-each hash chained from its parent's), extended only when a block fills, and a cursor of the
-blocks it has registered (`num_registered_blocks`): per step the work is for the new blocks
-only, whatever the sequence's length. `num_hashes` counts the hashes computed (tests count it).
+Prefix caching: engine/prefix_cache.py, over each sequence's chain of full-block hashes.
 
 The device tables are mirrored in `rows` (engine/table_rows.py), the matrix the attention
 metadata selects the decodes' tables from: tables enter and leave through `_put_table` and
@@ -23,10 +24,14 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.block_pool import Block, BlockPool
+from engine.kv_invariants import check_invariants
+from engine.kv_usage import KvUsage
+from engine.prefix_cache import PrefixCache
+from engine.seq_kv import SeqKv
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.table_rows import BlockTable, TableRows, new_table
 
-__all__ = ["AdmissionPlan", "AllocStatus", "Block", "BlockManager", "BlockPool", "BlockTable", "new_table"]
+__all__ = ["AdmissionPlan", "AllocStatus", "Block", "BlockManager", "BlockPool", "BlockTable", "KvUsage", "new_table"]
 
 class AllocStatus(enum.Enum):
     OK = "ok"  # fits now
@@ -62,9 +67,10 @@ class BlockManager:
         self.tables: dict[int, BlockTable] = {}  # seq_id -> device block ids
         self.cpu_tables: dict[int, BlockTable] = {}  # seq_id -> swap-pool block ids
         self.rows = TableRows()  # `tables` as the rows of one matrix
+        self.prefix = PrefixCache(self.device, block_size, enable_prefix_caching)
+        self.kv: dict[int, SeqKv] = {}  # seq_id -> its record (engine/seq_kv.py)
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0
-        self.num_hashes = 0  # block hashes computed (each once per sequence)
 
     # ---------------------------------------------------------------- queries
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -74,6 +80,43 @@ class BlockManager:
         """The sequence's device block ids: the live array (do not modify it)."""
         return self.tables[seq.seq_id]
 
+    def num_computed_tokens(self, seq: Sequence) -> int:
+        """The sequence's leading tokens whose K/V are in the cache (0 if it holds no blocks)."""
+        kv = self.kv.get(seq.seq_id)
+        return kv.num_computed_tokens if kv is not None else 0
+
+    def num_uncomputed_tokens(self, seq: Sequence) -> int:
+        return len(seq) - self.num_computed_tokens(seq)
+
+    def pending_share(self, seq: Sequence) -> tuple[Sequence, int] | None:
+        """(the sibling, the tokens) while `seq` shares prompt blocks that a sibling admitted
+        with it has yet to compute (`SeqKv.waits_for`); None once computed, or if it shares none."""
+        kv = self.kv.get(seq.seq_id)
+        wait = kv.waits_for if kv is not None else None
+        if wait is None or wait[1].num_computed_tokens >= wait[2]:
+            return None
+        return wait[0], wait[2]
+
+    def blocks_to_hold(self, num_tokens: int) -> int:
+        """Device blocks a sequence of `num_tokens` tokens holds at admission."""
+        return self.num_blocks_for(max(num_tokens, self.reserve_tokens or 0))
+
+    def describe_table(self, seq: Sequence) -> tuple[str | None, list[int], list[int]]:
+        """(pool: "device", "cpu" or None, its block ids, their ref counts): a copy, for views."""
+        for name, pool, tables in (("device", self.device, self.tables), ("cpu", self.cpu, self.cpu_tables)):
+            if seq.seq_id in tables:
+                table = tables[seq.seq_id]
+                return name, list(table), [pool.blocks[i].ref_count for i in table]
+        return None, [], []
+
+    def num_slots(self, seq: Sequence) -> int:
+        """Token slots of the sequence's device blocks (0 if it has none there)."""
+        return len(self.tables.get(seq.seq_id, ())) * self.block_size
+
+    def take_table_changes(self) -> list[tuple]:
+        """The device tables' changes since the last call (`TableRows.take_changes`)."""
+        return self.rows.take_changes()
+
     @property
     def num_free_device_blocks(self) -> int:
         return self.device.num_free
@@ -82,31 +125,7 @@ class BlockManager:
     def num_free_cpu_blocks(self) -> int:
         return self.cpu.num_free
 
-    # ---------------------------------------------------------------- hashes
-    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
-        """The tokens of the sequence's i-th block."""
-        a, b = i * self.block_size, (i + 1) * self.block_size
-        prompt, n = seq.prompt_token_ids, len(seq.prompt_token_ids)
-        if b <= n:
-            return tuple(prompt[a:b])
-        if a >= n:
-            return tuple(seq.output_token_ids[a - n: b - n])
-        return tuple(prompt[a:]) + tuple(seq.output_token_ids[: b - n])
-
-    def _hashes(self, seq: Sequence, salt: str | None, n: int) -> list[int]:
-        """The sequence's hash chain, extended to (at least) its first `n` full blocks."""
-        chain = seq.block_hashes
-        parent = chain[-1] if chain else hash(("paged-serve", salt))
-        for i in range(len(chain), n):
-            parent = hash((parent, self._block_tokens(seq, i)))
-            chain.append(parent)
-            self.num_hashes += 1
-        return chain
-
     # ---------------------------------------------------------------- admission
-    def _tokens_to_allocate(self, seq: Sequence) -> int:
-        return max(len(seq), self.reserve_tokens or 0)
-
     def _num_shared_prompt_blocks(self, group: SequenceGroup, seqs: list[Sequence]) -> int:
         """Full prompt blocks that sequences admitted together share (the samples of one prompt
         being recomputed): each still computes at least its last token itself."""
@@ -114,39 +133,24 @@ class BlockManager:
             return 0
         return min([len(group.prompt_token_ids) // self.block_size] + [(len(s) - 1) // self.block_size for s in seqs])
 
-    def _cacheable_blocks(self, group: SequenceGroup, seq: Sequence) -> int:
-        """How many of the sequence's leading full blocks the prefix cache may serve: none
-        without prefix caching; for a request with prompt logprobs still to compute, only those
-        before its last scored position (`SequenceGroup.cacheable_prompt_tokens`: the rows that
-        score the others must run; it publishes its full blocks for others as any request does)."""
-        if not self.enable_prefix_caching:
-            return 0
-        limit = group.cacheable_prompt_tokens
-        return len(seq) // self.block_size if limit is None else min(len(seq), limit) // self.block_size
-
-    def _cache_hits(self, group: SequenceGroup, seq: Sequence) -> list[Block]:
-        """The sequence's leading full blocks found in the device prefix cache, up to the first
-        miss or `_cacheable_blocks`. Mutates nothing but the chain."""
-        hits: list[Block] = []
-        num = self._cacheable_blocks(group, seq)
-        for i, h in enumerate(self._hashes(seq, group.params.cache_salt, num) if num else ()):
-            block = self.device.lookup(h, self._block_tokens(seq, i))
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+    def _kv(self, seq: Sequence) -> SeqKv:
+        kv = self.kv.get(seq.seq_id)
+        if kv is None:
+            kv = self.kv[seq.seq_id] = SeqKv()
+        return kv
 
     def plan(self, group: SequenceGroup, seqs: list[Sequence] | None = None, reserve: int = 0) -> AdmissionPlan:
         """What admitting `seqs` (default: the group's waiting sequences) now takes, and whether
         it fits leaving `reserve` blocks free. Prefix-cache hits on blocks that are in use
-        (live) take no free block. Mutates nothing."""
+        (live) take no free block. Mutates nothing but the first sequence's hash chain (its
+        record is made here if it has none: the chain is kept for its admission)."""
         seqs = group.seqs_with_status(SequenceStatus.WAITING) if seqs is None else seqs
         plan = AdmissionPlan(AllocStatus.OK, seqs, num_shared=self._num_shared_prompt_blocks(group, seqs))
         num_blocks = 0
         for idx, seq in enumerate(seqs):
-            n_blocks = self.num_blocks_for(self._tokens_to_allocate(seq))
+            n_blocks = self.blocks_to_hold(len(seq))
             if idx == 0:
-                plan.hits = self._cache_hits(group, seq)
+                plan.hits = self.prefix.hits(group, seq, self._kv(seq))
                 # NOTE: keep at least one token to compute, so the step yields logits.
                 plan.num_reused = reused = min(len(plan.hits), (len(seq) - 1) // self.block_size)
                 live = sum(1 for b in plan.hits[:reused] if b.ref_count > 0)  # claimed, not taken
@@ -178,7 +182,7 @@ class BlockManager:
         """Carry out `plan` (default: plan `seqs` now; its status must be OK): give each
         sequence a block table covering its tokens, reusing cached prefix blocks, and set
         `num_computed_tokens` to the reused length. Sequences admitted together share the first
-        one's full prompt blocks and get `waits_for` set to it. `register`: publish the new full
+        one's full prompt blocks and wait for it to compute them (`pending_share`). `register`: publish the new full
         blocks' hashes now, as the step computes all of them; False when it may compute only
         part of them, whose blocks are registered once computed (`register_full_blocks`)."""
         plan = plan or self.plan(group, seqs)
@@ -186,15 +190,17 @@ class BlockManager:
         pool, bs, first = self.device, self.block_size, []
         for idx, seq in enumerate(plan.seqs):
             assert seq.seq_id not in self.tables
-            table = new_table()
-            seq.waits_for = (plan.seqs[0], plan.num_shared * bs) if idx > 0 and plan.num_shared else None
+            table, kv = new_table(), self._kv(seq)
+            kv.waits_for = None
+            if idx > 0 and plan.num_shared:
+                kv.waits_for = (plan.seqs[0], self.kv[plan.seqs[0].seq_id], plan.num_shared * bs)
             if idx > 0 and plan.num_shared:
                 # NOTE: the first sequence computes these blocks in this same step; every layer
                 # writes all K/V of the step before attending, so the others can read them.
                 table = first[: plan.num_shared]
                 for i in table:
                     pool.ref(pool.blocks[i])
-            elif idx == 0 and self._cacheable_blocks(group, seq):
+            elif idx == 0 and self.prefix.cacheable_blocks(group, seq):
                 self.prefix_queries += len(seq)
                 for b in plan.hits:
                     assert b.hash is not None, "a planned hit was evicted"
@@ -203,34 +209,27 @@ class BlockManager:
                 for b in plan.hits[plan.num_reused:]:  # all of it cached: the last block is recomputed
                     pool.release(b)  # (if unreferenced, it is cached again, most recent)
                 self.prefix_hits += len(table) * bs
-            seq.num_registered_blocks = len(table)  # reused blocks are registered already
-            seq.num_computed_tokens = len(table) * bs
-            while len(table) < self.num_blocks_for(self._tokens_to_allocate(seq)):
+            kv.num_registered_blocks = len(table)  # reused blocks are registered already
+            kv.num_computed_tokens = len(table) * bs
+            while len(table) < self.blocks_to_hold(len(seq)):
                 table.append(pool.allocate().block_id)
             self._put_table(self.tables, seq.seq_id, table)
             if idx == 0:
                 first = table
             if register:
-                self._register(seq, group.params.cache_salt, len(seq) // bs)
+                self.prefix.publish(seq, kv, table, group.params.cache_salt, len(seq) // bs)
 
-    def _register(self, seq: Sequence, salt: str | None, n: int) -> None:
-        """Publish the hashes of the sequence's full blocks up to the n-th (those past its
-        cursor), so later requests can reuse them."""
-        if not self.enable_prefix_caching or n <= seq.num_registered_blocks:
-            return
-        chain, table = self._hashes(seq, salt, n), self.tables[seq.seq_id]
-        for i in range(seq.num_registered_blocks, min(n, len(table))):
-            block = self.device.blocks[table[i]]
-            if block.hash is None:
-                self.device.set_hash(block, chain[i], self._block_tokens(seq, i))
-        seq.num_registered_blocks = n
-
-    def register_full_blocks(self, seq: Sequence, salt: str | None) -> None:
-        """With prefix caching, publish every newly computed full block of the sequence (of its
-        prompt or of generated text: chat history can be reused by later requests too)."""
-        n = seq.num_computed_tokens // self.block_size
-        if self.enable_prefix_caching and n > seq.num_registered_blocks:  # NOTE: per step, for every sequence
-            self._register(seq, salt, n)
+    def mark_computed(self, seq: Sequence, num_tokens: int, salt: str | None) -> None:
+        """A step computed the sequence's next `num_tokens` tokens: advance `num_computed_tokens`
+        and, with prefix caching, publish its newly full blocks (of its prompt or of generated
+        text: chat history can be reused by later requests too). It no longer waits for a
+        sibling (that one computed the shared blocks in this step at the latest)."""
+        kv = self.kv[seq.seq_id]
+        kv.num_computed_tokens += num_tokens
+        kv.waits_for = None
+        n = kv.num_computed_tokens // self.block_size
+        if self.enable_prefix_caching and n > kv.num_registered_blocks:  # NOTE: per step, for every sequence
+            self.prefix.publish(seq, kv, self.tables[seq.seq_id], salt, n)
 
     # ---------------------------------------------------------------- decoding
     def _num_append_blocks(self, seqs: list[Sequence], tables: dict[int, BlockTable], pool: BlockPool,
@@ -281,19 +280,34 @@ class BlockManager:
         return last.block_id, new.block_id
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child shares all of the parent's blocks (ref counts go up; nothing is copied)."""
-        table = self.tables[parent.seq_id]
+        """The child (same tokens so far) shares all of the parent's blocks (ref counts go up;
+        nothing is copied) and starts from its record: computed tokens, hashes."""
+        table, kv = self.tables[parent.seq_id], self.kv[parent.seq_id]
         for i in table:
             self.device.ref(self.device.blocks[i])
         self._put_table(self.tables, child.seq_id, table[:])
-        child.num_registered_blocks = parent.num_registered_blocks
+        self.kv[child.seq_id] = SeqKv(kv.num_computed_tokens, list(kv.block_hashes), kv.num_registered_blocks)
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references, device or swap pool; a no-op if it holds none."""
+        """Forget the sequence (finished, dropped, aborted): drop its references, device or swap
+        pool, and its record. A no-op if it holds none."""
+        self._release(seq)
+        self.kv.pop(seq.seq_id, None)
+
+    def free_to_recompute(self, seq: Sequence) -> None:
+        """Drop the sequence's references (preempted or parked: it is computed again from its
+        tokens): `num_computed_tokens` 0, no sibling to wait for; its hash chain is kept (the
+        same tokens hash the same)."""
+        self._release(seq)
+        kv = self.kv.get(seq.seq_id)
+        if kv is not None:
+            kv.num_computed_tokens = kv.num_registered_blocks = 0
+            kv.waits_for = None
+
+    def _release(self, seq: Sequence) -> None:
         for pool, tables in ((self.device, self.tables), (self.cpu, self.cpu_tables)):
             for i in reversed(self._pop_table(tables, seq.seq_id)):
                 pool.release(pool.blocks[i])
-        seq.num_registered_blocks = 0
 
     # ---------------------------------------------------------------- swapping
     def can_swap_out(self, group: SequenceGroup) -> bool:
@@ -341,7 +355,7 @@ class BlockManager:
                 moved.append(mapping[i].block_id)
                 src_pool.release(src_pool.blocks[i])
             self._put_table(dst_tables, seq.seq_id, moved)
-            seq.num_registered_blocks = 0  # blocks new to the pool carry no hash yet
+            self.kv[seq.seq_id].num_registered_blocks = 0  # blocks new to the pool carry no hash yet
         return [(src, dst.block_id) for src, dst in mapping.items()]
 
     def _put_table(self, tables: dict[int, BlockTable], seq_id: int, table: BlockTable) -> None:
@@ -365,40 +379,23 @@ class BlockManager:
         assert not self.tables and not self.cpu_tables, "reset of a block manager with sequences"
         self.device.reset()
         self.cpu.reset()
-        self.prefix_queries = self.prefix_hits = self.num_hashes = 0
+        self.kv.clear()
+        self.prefix_queries = self.prefix_hits = self.prefix.num_hashes = 0
 
     def check_integrity(self) -> None:
-        """Assert the pool invariants: free + cached + used == total in each pool, every ref
-        count equals the number of tables holding the block, and the usage counters agree."""
-        for pool, tables in ((self.device, self.tables), (self.cpu, self.cpu_tables)):
-            refs = [0] * pool.num_blocks
-            for table in tables.values():
-                for i in table:
-                    refs[i] += 1
-            for b in pool.blocks:
-                assert b.ref_count == refs[b.block_id], f"{b} held by {refs[b.block_id]} tables"
-            free, cached = set(pool.free), set(pool.cached)
-            assert len(free) == len(pool.free), "a block is twice in the free list"
-            assert not free & cached, "a block is both free and cached"
-            for i in free | cached:
-                assert pool.blocks[i].ref_count == 0, f"{pool.blocks[i]} is free but referenced"
-            used = sum(1 for b in pool.blocks if b.ref_count > 0)
-            assert used + len(free) + len(cached) == pool.num_blocks, "a block is lost"
-            assert (pool.num_used, pool.num_refs) == (used, sum(refs)), "usage counters drifted"
-            assert pool.num_shared == sum(1 for b in pool.blocks if b.ref_count > 1), "shared counter drifted"
-            for h, i in pool.by_hash.items():
-                assert pool.blocks[i].hash == h
-        self.rows.check(self.tables)
+        """Assert the pool invariants (engine/kv_invariants.py); the tests call it after every step."""
+        check_invariants(self)
 
     def all_free(self) -> bool:
-        return (not self.tables and not self.cpu_tables and self.device.num_free == self.device.num_blocks
-                and self.cpu.num_free == self.cpu.num_blocks)
+        """No table, no record, every block free: nothing leaked once every request is done."""
+        return (not self.tables and not self.cpu_tables and not self.kv
+                and self.device.num_free == self.device.num_blocks and self.cpu.num_free == self.cpu.num_blocks)
 
-    def usage(self) -> dict[str, int]:
-        """Pool utilisation and sharing figures for metrics, in O(1)."""
-        d = self.device
-        return {"device_used": d.num_used, "cpu_used": self.cpu.num_used, "shared_blocks": d.num_shared,
-                "saved_by_sharing": d.saved_by_sharing}
+    def usage(self) -> KvUsage:
+        """The pools' counters, for metrics, in O(1)."""
+        d, c = self.device, self.cpu
+        return KvUsage(d.num_blocks, d.num_free, c.num_blocks, c.num_free, d.num_used, c.num_used, d.num_shared,
+                       d.saved_by_sharing, self.prefix_queries, self.prefix_hits)
 
     def block_states(self) -> tuple[list[int], list[int], list[int]]:
         """Per device block: 0 free, 1 used, 2 shared, 3 cached; ref counts; per CPU block:

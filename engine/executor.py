@@ -5,7 +5,9 @@
   torch.distributed group, and computes its own shard; ranks 1..N-1 are workers
   (engine/worker.py), started here with torch.multiprocessing or joining from other machines
   through the env:// rendezvous. Each call is broadcast to the workers as a small pickled
-  message on a gloo group, then run by every rank; the layers' collectives do the rest.
+  message on a gloo group, then run by every rank; the layers' collectives do the rest. A step
+  carries no block tables: each worker keeps its own copy and the step brings what changed
+  (engine/persistent_batch.py), so its size does not grow with the context.
 
 Failure model: a dead worker is fatal. Locally started workers are watched before every step
 and once a second while idle; any collective that fails or times out (`PAGED_SERVE_TP_TIMEOUT`,
@@ -28,7 +30,7 @@ import torch
 import torch.multiprocessing as mp
 from multiprocessing import connection as mp_connection
 
-from engine import parallel, worker
+from engine import parallel, persistent_batch, worker
 from engine.cache_engine import CacheEngine
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
@@ -121,6 +123,8 @@ class MultiProcessExecutor(Executor):
         self._closed = False
         self._last_sent = time.monotonic()
         self._procs: dict[int, mp.Process] = {}
+        # NOTE: table changes of steps not sent (nothing to run): the workers need every change once
+        self._unsent_changes: list[tuple] = []
 
         init_method, local = self._rendezvous()
         device = worker.rank_device(config.device, 0)
@@ -205,8 +209,11 @@ class MultiProcessExecutor(Executor):
     def execute(self, step: StepInput) -> StepOutput:
         if not (step.seqs or step.blocks_to_swap_in or step.blocks_to_swap_out or step.blocks_to_copy):
             self.check_health()
+            self._unsent_changes.extend(step.table_changes)
             return StepOutput(torch.empty(0, self.config.model.hf_config.vocab_size))
-        return self._call("execute", step)
+        sent = persistent_batch.for_workers(step, self._unsent_changes)
+        self._unsent_changes = []
+        return self._call("execute", step, sent=(sent,))
 
     def check_health(self) -> None:
         if self._failure is None:
@@ -241,7 +248,9 @@ class MultiProcessExecutor(Executor):
             parallel.destroy()
 
     # ------------------------------------------------------------------ internals
-    def _call(self, method: str, *args):
+    def _call(self, method: str, *args, sent: tuple | None = None):
+        """Run `method(*args)` on every rank; the workers are sent `sent` in place of `args`
+        when given (a step without its block tables)."""
         with self._lock:
             try:
                 self.check_health()
@@ -250,7 +259,7 @@ class MultiProcessExecutor(Executor):
                 raise
             try:
                 self._last_sent = time.monotonic()
-                parallel.broadcast_object((method, args), self._group)
+                parallel.broadcast_object((method, args if sent is None else sent), self._group)
                 return worker.run_method(self.runner, method, args, self._group)
             except Exception as e:
                 # NOTE: whatever failed, the ranks may now disagree on where they are in the

@@ -56,8 +56,8 @@ def _num_blocks(block_manager, group: SequenceGroup) -> int:
     """The distinct blocks the request's sequences hold (shared ones once), in either pool."""
     ids: set[tuple[str, int]] = set()
     for seq in group.seqs:
-        for pool, tables in (("device", block_manager.tables), ("cpu", block_manager.cpu_tables)):
-            ids.update((pool, b) for b in tables.get(seq.seq_id, ()))
+        pool, table, _ = block_manager.describe_table(seq)
+        ids.update((pool, b) for b in table)
     return len(ids)
 
 
@@ -90,21 +90,14 @@ def request_tables(scheduler, request_id: str) -> dict | None:
     num_hit_blocks = group.num_cached_tokens // bm.block_size
     seqs = []
     for seq in group.unfinished_seqs:
-        if seq.seq_id in bm.tables:
-            pool, table = "device", bm.tables[seq.seq_id]
-            blocks = bm.device.blocks
-        elif seq.seq_id in bm.cpu_tables:
-            pool, table = "cpu", bm.cpu_tables[seq.seq_id]
-            blocks = bm.cpu.blocks
-        else:
-            pool, table, blocks = None, [], []
+        pool, table, refs = bm.describe_table(seq)
         seqs.append({
             "index": seq.index,
             "status": SequenceStatus(seq.status).name.lower(),
             "num_tokens": len(seq),
             "pool": pool,
-            "blocks": list(table),
-            "ref_counts": [blocks[b].ref_count for b in table],
+            "blocks": table,
+            "ref_counts": refs,
             "prefix_hit": [pool == "device" and i < num_hit_blocks for i in range(len(table))],
         })
     return {"request_id": request_id, "status": status, "block_size": bm.block_size,

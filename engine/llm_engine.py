@@ -165,8 +165,7 @@ class LLMEngine:
         no request left (engine/step_calibration.py runs its requests, then this)."""
         if self.requests or self.has_unfinished_requests():
             raise RuntimeError("LLMEngine.reset with requests in flight")
-        self.block_manager.reset()
-        self.scheduler.reset_counters()
+        self.scheduler.reset()
         self._reset_totals()
 
     def has_unfinished_requests(self) -> bool:
@@ -368,11 +367,11 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- views
     def cache_info(self) -> dict[str, str]:
-        cc = self.config.cache
+        cc, usage = self.config.cache, self.block_manager.usage()
         return {
             "block_size": str(cc.block_size),
-            "num_gpu_blocks": str(self.block_manager.device.num_blocks),
-            "num_cpu_blocks": str(self.block_manager.cpu.num_blocks),
+            "num_gpu_blocks": str(usage.num_device_blocks),
+            "num_cpu_blocks": str(usage.num_cpu_blocks),
             "cache_dtype": str(self.model_config.dtype).removeprefix("torch."),
             "preemption_mode": self.config.scheduler.preemption_mode,
             "kv_allocation": cc.kv_allocation,

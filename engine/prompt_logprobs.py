@@ -37,7 +37,7 @@ def wanted(sched: SchedulerOutput) -> dict[int, int]:
     for i, s in enumerate(sched.scheduled):
         g = s.group
         if s.is_prefill and g.prompt_logprobs_pending and s.seq is g.seqs[0]:
-            end = s.seq.num_computed_tokens + s.num_tokens
+            end = s.start + s.num_tokens
             prompt = g.prompt_token_ids
             want[i] = prompt[end] if end < len(prompt) else -1
     return want

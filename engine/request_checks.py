@@ -16,10 +16,10 @@ from engine.request_error import RequestError
 def check_fits(request: EngineRequest, config: EngineConfig, bm: BlockManager) -> None:
     """RequestError unless `request` can always run on this engine (its max_tokens is final)."""
     prompt_len = len(request.token_ids)
-    needed = bm.num_blocks_for(max(prompt_len, bm.reserve_tokens or 0))
-    if needed > bm.device.num_blocks:
+    needed, total = bm.blocks_to_hold(prompt_len), bm.usage().num_device_blocks
+    if needed > total:
         raise RequestError(
-            f"The prompt needs {needed} KV blocks but the whole KV cache has {bm.device.num_blocks}; "
+            f"The prompt needs {needed} KV blocks but the whole KV cache has {total}; "
             "it can never be scheduled.", "prompt")
     _check_width(prompt_len, request, config, bm)
 
@@ -36,9 +36,9 @@ def _check_width(prompt_len: int, request: EngineRequest, config: EngineConfig, 
             f"request may run at once), got {width}.", field)
     if params.use_beam_search:
         length = max(prompt_len + params.max_tokens, bm.reserve_tokens or 0)
-        needed = width * bm.num_blocks_for(length)
-        if needed > bm.device.num_blocks:
+        needed, total = width * bm.blocks_to_hold(length), bm.usage().num_device_blocks
+        if needed > total:
             raise RequestError(
                 f"{field} {width} is too wide for beam search over {length} tokens (prompt and max_tokens): "
                 f"the beams may need {needed} KV blocks of {bm.block_size} tokens, and the whole KV cache has "
-                f"{bm.device.num_blocks}. Lower the beam width or max_tokens.", field)
+                f"{total}. Lower the beam width or max_tokens.", field)

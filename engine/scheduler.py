@@ -128,10 +128,8 @@ class Scheduler:
         manager."""
         bm = self.block_manager
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            bm.register_full_blocks(s.seq, s.group.params.cache_salt)
+            bm.mark_computed(s.seq, s.num_tokens, s.group.params.cache_salt)
         for parent, child in forks:
-            child.num_computed_tokens = parent.num_computed_tokens
             bm.fork(parent, child)
         for seq in dropped:
             bm.free(seq)
@@ -153,9 +151,10 @@ class Scheduler:
             self.running[:] = kept
         return done
 
-    def reset_counters(self) -> None:
-        """Preemption and swap totals and the event log back to empty (after the start-up
-        calibration's requests, engine/step_calibration.py)."""
+    def reset(self) -> None:
+        """A fresh KV pool and empty preemption, swap and event totals: after the start-up
+        calibration's requests (engine/step_calibration.py), with no request left."""
+        self.block_manager.reset()
         self.num_preemptions = {"swap": 0, "recompute": 0}
         self.swapped_blocks = {"in": 0, "out": 0}
         self.events = KvEventLog()
@@ -188,7 +187,7 @@ class Scheduler:
     # ---------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
         step = StepPlan(SchedulerOutput(), self.config.max_num_batched_tokens, self.block_manager,
-                        self.config.enable_chunked_prefill, PrefillCap.of(self))
+                        self.block_manager.append_slot, self.config.enable_chunked_prefill, PrefillCap.of(self))
         oldest = self.oldest()
         if oldest is not None and not self._lead_running(oldest) and not self._bring_in(oldest, step, preempt=True):
             logger.error("the oldest request %s cannot be brought in (not expected)", oldest.request_id)
@@ -233,6 +232,7 @@ class Scheduler:
                                        logical_block=s.block_table.index(cow[1]))
         out.num_batched_tokens = self.config.max_num_batched_tokens - step.tokens
         out.table_rows = self.block_manager.rows
+        out.table_changes = self.block_manager.take_table_changes()
         return out
 
     # ---------------------------------------------------------------- making room
@@ -283,8 +283,8 @@ class Scheduler:
 
     def _park(self, group: SequenceGroup, seq: Sequence, step: StepPlan) -> None:
         step.unschedule(seq)
-        self.block_manager.free(seq)
-        seq.num_computed_tokens, seq.status, seq.waits_for = 0, _WAITING, None
+        self.block_manager.free_to_recompute(seq)
+        seq.status = _WAITING
         self._count_preemption(group, step.out, "recompute", f"parked sample {seq.index} of")
         self.events.record("park", group.request_id, seq_index=seq.index)
 
@@ -301,8 +301,8 @@ class Scheduler:
             self.events.record("swap_out", group.request_id, num_blocks=len(mapping))
         else:
             for seq in group.unfinished_seqs:
-                bm.free(seq)
-                seq.num_computed_tokens, seq.status, seq.waits_for = 0, _WAITING, None
+                bm.free_to_recompute(seq)
+                seq.status = _WAITING
             _insert(self.waiting, group)
             mode = "recompute"
             self.events.record("recompute", group.request_id)
@@ -398,7 +398,7 @@ class Scheduler:
         self.block_manager.allocate(group, register=register, plan=plan)
         for seq in plan.seqs:
             if first_admission:
-                group.num_cached_tokens = seq.num_computed_tokens
+                group.num_cached_tokens = self.block_manager.num_computed_tokens(seq)
             seq.status = _RUNNING
 
     def _swap_in(self, group: SequenceGroup, step: StepPlan) -> None:

@@ -34,12 +34,12 @@ class ScheduledSeq:
     # False for a prefill chunk that stops short of the sequence's last token: its logits row is
     # ignored and no token is appended (chunked prefill); True otherwise.
     samples: bool = True
+    start: int = 0  # the tokens of `seq` computed before this step (the position of the first one it computes)
 
     @property
     def context_tokens(self) -> int:
-        """The tokens this step attends over for `seq` (computed before it plus this step's),
-        read before the scheduler advances the sequence."""
-        return self.seq.num_computed_tokens + self.num_tokens
+        """The tokens this step attends over for `seq` (computed before it plus this step's)."""
+        return self.start + self.num_tokens
 
 
 @dataclass
@@ -54,6 +54,9 @@ class SchedulerOutput:
     num_batched_tokens: int = 0  # sum of num_tokens
     # the block manager's device tables as matrix rows (read-only here, like `block_table`)
     table_rows: TableRows | None = None
+    # the device tables' changes since the last step (`TableRows.take_changes`, oldest first):
+    # what a tensor-parallel worker applies to its own copy of the tables
+    table_changes: list[tuple] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -93,6 +96,7 @@ class SeqInput:
     # With prompt_logprobs, a chunk short of the prompt's end: the prompt token after
     # token_ids, which the last row scores too (-1: none).
     score_next: int = -1
+    seq_id: int = -1  # the sequence's id: its table's key in a worker's persistent batch
 
     @property
     def score_targets(self) -> list[int]:
@@ -113,10 +117,13 @@ class StepInput:
     logit_chunk_rows: int = PROMPT_LOGPROB_CHUNK_ROWS
     # The block manager's tables as matrix rows; None on a tensor-parallel worker (not pickled).
     table_rows: TableRows | None = None
+    # The device tables' changes since the last step (`SchedulerOutput.table_changes`): all a
+    # tensor-parallel worker is sent of the tables (engine/persistent_batch.py).
+    table_changes: list[tuple] = field(default_factory=list)
 
     @classmethod
     def from_scheduler_output(cls, out: SchedulerOutput, prompt_logprobs: Mapping[int, int] | None = None) -> "StepInput":
-        """Read before the engine advances `num_computed_tokens` for this step.
+        """Read before the block manager changes again (the tables are its live arrays).
         `prompt_logprobs`: indices into `out.scheduled` of prefills whose rows score prompt
         tokens with their request's `params.prompt_logprobs` alternatives (see
         `ModelRunner.execute`), each mapped to its `SeqInput.score_next`."""
@@ -124,7 +131,7 @@ class StepInput:
         seqs = []
         row_of = out.table_rows.row_of if out.table_rows is not None else {}
         for i, s in enumerate(out.scheduled):
-            seq, start = s.seq, s.seq.num_computed_tokens
+            seq, start = s.seq, s.start
             ids = seq.tokens(start, start + s.num_tokens) if s.is_prefill else [seq.last_token_id]
             scored = s.is_prefill and i in prompt_logprobs
             k = s.group.params.prompt_logprobs if scored else None
@@ -132,9 +139,9 @@ class StepInput:
             # before the block manager changes again (pickled for tensor-parallel workers).
             row = -1 if s.is_prefill else row_of.get(seq.seq_id, -1)
             seqs.append(SeqInput(ids, start, s.block_table, s.is_prefill, k, row,
-                                 prompt_logprobs[i] if scored else -1))
+                                 prompt_logprobs[i] if scored else -1, seq.seq_id))
         return cls(seqs, list(out.blocks_to_swap_in), list(out.blocks_to_swap_out), list(out.blocks_to_copy),
-                   PROMPT_LOGPROB_CHUNK_ROWS, out.table_rows)
+                   PROMPT_LOGPROB_CHUNK_ROWS, out.table_rows, out.table_changes)
 
 
 @dataclass

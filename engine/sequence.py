@@ -1,5 +1,8 @@
 """A request (`SequenceGroup`) and its sequences: one while the prompt is prefilled, then
-`best_of` samples forked from it that share the prompt's KV blocks."""
+`best_of` samples forked from it that share the prompt's KV blocks.
+
+A `Sequence` holds its tokens, its status and its sampling state; what the KV cache holds of it
+(tokens computed, block hashes) is the block manager's (`BlockManager.num_computed_tokens`)."""
 
 from __future__ import annotations
 
@@ -57,7 +60,6 @@ class Sequence:
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.status = SequenceStatus.WAITING
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[dict[int, Logprob]] = []
         # The generated text as the pieces appended (`append_text`): a streamed delta slices
@@ -72,15 +74,7 @@ class Sequence:
         self.detokenizer = None  # engine.tokenizer.IncrementalDetokenizer, set by the engine
         self.grammar = None  # engine.structured_output.GrammarState under structured outputs
         self.sampling_row = None  # the engine's SamplingRow for it, once min_tokens no longer masks
-        # Set by BlockManager.allocate when this sequence was admitted together with a sibling
-        # whose first prompt blocks it shares: (that sibling, the shared tokens). The sibling
-        # computes them; the scheduler runs this one only once they are (or will be this step).
-        self.waits_for: tuple[Sequence, int] | None = None
         self.stop_state: list[int] | None = None  # the request's StopStrings state, when it has stop strings
-        # Prefix caching (BlockManager): the chain of hashes of its full blocks so far, and how
-        # many of its blocks it has registered in the cache.
-        self.block_hashes: list[int] = []
-        self.num_registered_blocks = 0
         # OutputKind.DELTA: how much of the (visible) text and of the tokens has been reported.
         self.delta_sent = (0, 0)
         self.delta_sent_finished = False
@@ -104,10 +98,6 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self) - self.num_computed_tokens
 
     def append_text(self, piece: str) -> None:
         if piece:
@@ -139,16 +129,16 @@ class Sequence:
         self._text, self._text_starts, self.text_len = ([text], [0], len(text)) if text else ([], [], 0)
 
     def fork(self, index: int, generator) -> "Sequence":
+        """A new sequence with the same tokens and sampling state (the block manager's `fork`
+        gives it the blocks)."""
         child = Sequence(self.prompt_token_ids, index, generator)
         child.output_token_ids = list(self.output_token_ids)
         child.status = self.status
-        child.num_computed_tokens = self.num_computed_tokens
         child.cumulative_logprob = self.cumulative_logprob
         child.output_logprobs = list(self.output_logprobs)
         child.output_text = self.output_text
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         child.stop_state = list(self.stop_state) if self.stop_state is not None else None
-        child.block_hashes = list(self.block_hashes)  # same tokens so far, same full blocks
         return child
 
     def __repr__(self) -> str:

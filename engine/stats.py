@@ -55,32 +55,32 @@ class StatsCollector:
         """The state after the step that ran `out`, with the step's events (which it clears)."""
         bm, sched = self.block_manager, self.scheduler
         total_slots = filled = 0
-        tables, bs, running = bm.tables, bm.block_size, SequenceStatus.RUNNING
+        num_slots, running = bm.num_slots, SequenceStatus.RUNNING
         for group in sched.running:
             for seq in group.seqs:
                 if seq.status == running:
-                    slots = len(tables[seq.seq_id]) * bs
+                    slots = num_slots(seq)
                     total_slots += slots
                     filled += min(len(seq.prompt_token_ids) + len(seq.output_token_ids), slots)
-        dev, cpu = bm.device, bm.cpu
+        kv = bm.usage()
         stats = EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             num_swapped=len(sched.swapped),
-            num_device_blocks=dev.num_blocks,
-            num_free_device_blocks=dev.num_free,
-            num_cpu_blocks=cpu.num_blocks,
-            num_free_cpu_blocks=cpu.num_free,
-            kv_cache_usage=dev.num_used / max(dev.num_blocks, 1),
-            cpu_cache_usage=cpu.num_used / max(cpu.num_blocks, 1),
+            num_device_blocks=kv.num_device_blocks,
+            num_free_device_blocks=kv.num_free_device_blocks,
+            num_cpu_blocks=kv.num_cpu_blocks,
+            num_free_cpu_blocks=kv.num_free_cpu_blocks,
+            kv_cache_usage=kv.device_used / max(kv.num_device_blocks, 1),
+            cpu_cache_usage=kv.cpu_used / max(kv.num_cpu_blocks, 1),
             kv_internal_fragmentation=(total_slots - filled) / total_slots if total_slots else 0.0,
-            num_shared_blocks=dev.num_shared,
-            num_blocks_saved_by_sharing=dev.saved_by_sharing,
+            num_shared_blocks=kv.shared_blocks,
+            num_blocks_saved_by_sharing=kv.saved_by_sharing,
             num_preemptions_total=dict(sched.num_preemptions),
             prompt_tokens_total=self.prompt_tokens,
             generation_tokens_total=self.generation_tokens,
-            prefix_cache_queries_total=bm.prefix_queries,
-            prefix_cache_hits_total=bm.prefix_hits,
+            prefix_cache_queries_total=kv.prefix_queries,
+            prefix_cache_hits_total=kv.prefix_hits,
             swap_in_bytes_total=sched.swapped_blocks["in"] * self.bytes_per_block,
             swap_out_bytes_total=sched.swapped_blocks["out"] * self.bytes_per_block,
             request_success_total=dict(self.success),

@@ -1,7 +1,8 @@
 """`StepPlan`: the step a `Scheduler.schedule()` call is building: its output, what is left of the
 token budget, and what runs. Scheduling a request's sequences (decodes take a slot for their next
 token, prefills their next chunk) and taking it back (a parked sample) happen here; which
-requests run is the scheduler's."""
+requests run is the scheduler's. It reads the block manager (plans, computed tokens, tables)
+but never changes it: a decode's slot is taken through the scheduler's `take_slot`."""
 
 from __future__ import annotations
 
@@ -69,9 +70,9 @@ class PrefillCap:
         cfg, cost = sched.config, sched.step_cost
         if cost is None:  # NOTE: cost_for gives a cost model only with a target
             return None
-        return cls(cost, cfg.target_itl_ms / 1000.0, _exempting_wait_s(cfg), sched.clock(),
-                   sched.block_manager.block_size,
-                   lambda limit: prefill_backlog(sched.running, sched.waiting, limit),
+        bm = sched.block_manager
+        return cls(cost, cfg.target_itl_ms / 1000.0, _exempting_wait_s(cfg), sched.clock(), bm.block_size,
+                   lambda limit: prefill_backlog(sched.running, sched.waiting, limit, bm),
                    lambda rows: queued_decodes(sched.running, sched.waiting, rows), cfg.max_num_seqs)
 
 
@@ -95,13 +96,14 @@ def _unsampled(running: Iterable[SequenceGroup], waiting: Iterable[SequenceGroup
             yield group
 
 
-def prefill_backlog(running: Iterable[SequenceGroup], waiting: Iterable[SequenceGroup], limit: int) -> int:
+def prefill_backlog(running: Iterable[SequenceGroup], waiting: Iterable[SequenceGroup], limit: int,
+                    bm: BlockManager) -> int:
     """The uncomputed tokens of the requests that have not sampled their first token, counted
     until they pass `limit` (NOTE: so the count stops after at most `limit` waiting requests,
     however long the queue)."""
     total = 0
     for group in _unsampled(running, waiting):
-        total += group.seqs[0].num_uncomputed_tokens
+        total += bm.num_uncomputed_tokens(group.seqs[0])
         if total > limit:
             break
     return total
@@ -122,11 +124,15 @@ def queued_decodes(running: Iterable[SequenceGroup], waiting: Iterable[SequenceG
 
 
 class StepPlan:
-    def __init__(self, out: SchedulerOutput, tokens: int, block_manager: BlockManager, chunked: bool,
+    def __init__(self, out: SchedulerOutput, tokens: int, block_manager: BlockManager,
+                 take_slot: Callable[[Sequence], tuple[int, int] | None], chunked: bool,
                  cap: PrefillCap | None = None) -> None:
+        """`block_manager`: read only here. `take_slot(seq)`: the scheduler's, makes the slot of
+        a decode's next token (a copy-on-write (src, dst) pair, or None)."""
         self.out = out
         self.tokens = tokens  # what is left of max_num_batched_tokens
         self.block_manager = block_manager
+        self.take_slot = take_slot
         self.chunked = chunked  # enable_chunked_prefill
         self.cap = cap
         # the capped prefill tokens this step has left (None until a capped prefill asks)
@@ -139,7 +145,7 @@ class StepPlan:
     def computed_after(self, seq: Sequence) -> int:
         """The sequence's num_computed_tokens once this step has run."""
         entry = self.scheduled.get(seq.seq_id)
-        return seq.num_computed_tokens + (entry[0].num_tokens if entry else 0)
+        return self.block_manager.num_computed_tokens(seq) + (entry[0].num_tokens if entry else 0)
 
     def prefill_fits(self, group: SequenceGroup, seqs_or_plan: list[Sequence] | AdmissionPlan) -> bool:
         """Whether the step's token budget takes these waiting sequences' prefill: all of it
@@ -178,7 +184,7 @@ class StepPlan:
             # NOTE: the common case, for every request at every step: one sequence, no beams.
             seq = group.seqs[0]
             if seq.status == _RUNNING and seq.seq_id not in self.scheduled and self.tokens >= 1:
-                n = len(seq) - seq.num_computed_tokens  # uncomputed
+                n = self.block_manager.num_uncomputed_tokens(seq)
                 if n <= 1 and seq.output_token_ids:  # decoding
                     if decode and self._caught_up(seq):
                         self._decode(seq, group, n)
@@ -189,24 +195,25 @@ class StepPlan:
         seqs = list(only) if only is not None else group.seqs_with_status(_RUNNING)
         beams = self.is_multi_beam(group)
         if beams:
-            if any(self._is_prefilling(s) for s in seqs):
+            if any(self._is_prefilling(s, self.block_manager.num_uncomputed_tokens(s)) for s in seqs):
                 decode = False  # the others wait until every beam can sample
             elif decode and len(seqs) > self.tokens:
                 return
+        bm = self.block_manager
         for seq in seqs:
             if seq.seq_id in self.scheduled or self.tokens < 1:
                 continue
-            if not self._is_prefilling(seq):
+            uncomputed = bm.num_uncomputed_tokens(seq)
+            if not self._is_prefilling(seq, uncomputed):
                 if decode and self._caught_up(seq):
-                    self._decode(seq, group, seq.num_uncomputed_tokens)
+                    self._decode(seq, group, uncomputed)
             elif prefill:
-                n = (self._chunk_size(seq, self.prefill_budget(group, oldest)) if self.chunked
-                     else seq.num_uncomputed_tokens)
+                n = self._chunk_size(seq, self.prefill_budget(group, oldest)) if self.chunked else uncomputed
                 if beams:
-                    n = min(n, seq.num_uncomputed_tokens - 1)
+                    n = min(n, uncomputed - 1)
                 if 0 < n <= self.tokens and self._caught_up(seq):
-                    self._add(ScheduledSeq(seq, group, n, True, self.block_manager.tables[seq.seq_id],
-                                           samples=n == seq.num_uncomputed_tokens))
+                    self._add(ScheduledSeq(seq, group, n, True, bm.block_table(seq), samples=n == uncomputed,
+                                           start=len(seq) - uncomputed))
 
     def schedule_chunks(self, running: list[SequenceGroup], oldest: SequenceGroup | None,
                         defer_over: int | None = None) -> list[SequenceGroup]:
@@ -217,7 +224,7 @@ class StepPlan:
         deferred = []
         for group in running:
             if group is not oldest and self.has_unscheduled(group):
-                if defer_over is not None and group.seqs[0].num_uncomputed_tokens > defer_over:
+                if defer_over is not None and self.block_manager.num_uncomputed_tokens(group.seqs[0]) > defer_over:
                     deferred.append(group)
                 else:
                     self.schedule_group(group, decode=False, prefill=True)
@@ -232,12 +239,11 @@ class StepPlan:
 
     def _decode(self, seq: Sequence, group: SequenceGroup, n: int) -> None:
         """Schedule `seq`'s next token (`n`: its uncomputed tokens): a slot for it (copying a
-        shared last block if need be)."""
-        bm = self.block_manager
-        cow = bm.append_slot(seq)
+        shared last block if need be, `take_slot`)."""
+        cow = self.take_slot(seq)
         if cow is not None:
             self.out.blocks_to_copy.append(cow)
-        self._add(ScheduledSeq(seq, group, n, False, bm.tables[seq.seq_id]), cow)
+        self._add(ScheduledSeq(seq, group, n, False, self.block_manager.block_table(seq), start=len(seq) - n), cow)
 
     def prefill_budget(self, group: SequenceGroup, oldest: bool = False) -> int:
         """The tokens a chunkable prefill of `group` may take now: what is left of the budget,
@@ -287,32 +293,29 @@ class StepPlan:
         self.scheduled[s.seq.seq_id] = (s, cow)
 
     def _caught_up(self, seq: Sequence) -> bool:
-        """Whether the sibling whose prompt blocks `seq` shares (`waits_for`) will have computed
-        them by the end of this step (every layer writes the step's K/V before attending)."""
-        if seq.waits_for is None:
-            return True
-        lead, shared = seq.waits_for
-        if lead.num_computed_tokens >= shared:
-            seq.waits_for = None
-            return True
-        return self.computed_after(lead) >= shared
+        """Whether the sibling whose prompt blocks `seq` shares (`BlockManager.pending_share`)
+        will have computed them by the end of this step (every layer writes the step's K/V
+        before attending)."""
+        pending = self.block_manager.pending_share(seq)
+        return pending is None or self.computed_after(pending[0]) >= pending[1]
 
     @staticmethod
-    def _is_prefilling(seq: Sequence) -> bool:
-        """Whether a running sequence is part way through a prefill: it has sampled nothing
-        yet, or more than its last token is uncomputed (a recompute).
+    def _is_prefilling(seq: Sequence, uncomputed: int) -> bool:
+        """Whether a running sequence (with `uncomputed` tokens) is part way through a prefill:
+        it has sampled nothing yet, or more than its last token is uncomputed (a recompute).
         NOTE: a recomputed sequence with only its last token left is simply decoded."""
-        return not seq.output_token_ids or seq.num_uncomputed_tokens > 1
+        return not seq.output_token_ids or uncomputed > 1
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         """How many of the sequence's uncomputed tokens to compute within `budget`: all if they
         fit; otherwise the budget, cut back so the chunk ends on a block boundary unless that
         leaves nothing. 0 when the budget is spent."""
-        n = seq.num_uncomputed_tokens
+        bm = self.block_manager
+        computed = bm.num_computed_tokens(seq)
+        n = len(seq) - computed
         if n <= budget:
             return n
         if budget <= 0:
             return 0
-        bs = self.block_manager.block_size
-        end = (seq.num_computed_tokens + budget) // bs * bs
-        return end - seq.num_computed_tokens if end > seq.num_computed_tokens else budget
+        end = (computed + budget) // bm.block_size * bm.block_size
+        return end - computed if end > computed else budget

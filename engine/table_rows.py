@@ -36,6 +36,7 @@ class TableRows:
         self.data = array("i", bytes(4 * num_rows * width))
         self.row_of: dict[int, int] = {}  # seq_id -> its row
         self._free = list(range(num_rows - 1, -1, -1))
+        self.changes: list[tuple] = []  # the writes since `take_changes` (see the module docstring)
 
     def assign(self, seq_id: int, ids: array) -> None:
         """Give `seq_id` (which has no row) a row holding `ids` (an array('i'), as the tables are)."""
@@ -49,12 +50,14 @@ class TableRows:
             self._reshape(self.num_rows, _grown(self.width, n))
         start = row * self.width
         self.data[start : start + n] = ids
+        self.changes.append((seq_id, ids[:]))  # NOTE: a copy: the table may change again before it is sent
 
     def set(self, seq_id: int, i: int, block_id: int) -> None:
         """Entry `i` of `seq_id`'s row (an append when i is the table's old length)."""
         if i >= self.width:
             self._reshape(self.num_rows, _grown(self.width, i + 1))
         self.data[self.row_of[seq_id] * self.width + i] = block_id
+        self.changes.append((seq_id, i, block_id))
 
     def release(self, seq_id: int, n: int) -> None:
         """`seq_id`'s table (of `n` blocks) is gone: zero its row and free it; a no-op without one."""
@@ -64,6 +67,12 @@ class TableRows:
         start = row * self.width
         self.data[start : start + n] = array("i", bytes(4 * n))
         self._free.append(row)
+        self.changes.append((seq_id,))
+
+    def take_changes(self) -> list[tuple]:
+        """The writes logged since the last call, oldest first; the log starts empty again."""
+        changes, self.changes = self.changes, []
+        return changes
 
     def row(self, seq_id: int) -> array:
         """A copy of `seq_id`'s whole row (tests and checks)."""

@@ -3,7 +3,8 @@
 A worker holds 1/N of the weights and of every KV block (its KV heads). It never schedules:
 after joining the group it receives the `EngineConfig` from the driver, builds its
 `ModelRunner`, then obeys the driver's messages, one `(method, args)` pair at a time, in the
-same order as the driver runs them itself (see `run_method`).
+same order as the driver runs them itself (see `run_method`). A step comes without its block
+tables: the worker keeps its own copy, updated from each step's changes (`PersistentBatch`).
 
 Started two ways:
 - by the daemon, on the same machine (`MultiProcessExecutor`, torch.multiprocessing);
@@ -57,6 +58,7 @@ def run_worker(rank: int, world_size: int, init_method: str, device_type: str, l
     """Join the group, build this rank's shard, serve the driver until STOP. Raises on any
     failure (the process then exits non-zero and the driver reports the worker dead)."""
     from engine.model_runner import ModelRunner
+    from engine.persistent_batch import PersistentBatch
 
     device = rank_device(torch.device(device_type), local_rank)
     set_cpu_threads(device, local_world_size)
@@ -70,11 +72,14 @@ def run_worker(rank: int, world_size: int, init_method: str, device_type: str, l
             )
         logger.info("tensor-parallel worker %d/%d on %s", rank, world_size, device)
         runner = ModelRunner(config.model, device, config.cache.block_size)
+        batch = PersistentBatch()
         parallel.wait_for_all(group, parallel.start_timeout_s())
         while True:
             method, args = parallel.broadcast_object(None, group)
             if method == STOP:
                 break
+            if method == "execute":
+                args = (batch.restore(args[0]),)
             if method != PING:
                 run_method(runner, method, args, group)
     finally:

@@ -24,13 +24,13 @@ def admit(bm: BlockManager, group: SequenceGroup) -> None:
     bm.allocate(group)
     for s in group.seqs:
         s.status = SequenceStatus.RUNNING
-        s.num_computed_tokens = len(s)
+        bm.mark_computed(s, bm.num_uncomputed_tokens(s), group.params.cache_salt)
 
 
-def grow(bm: BlockManager, seq, token: int = 7):
+def grow(bm: BlockManager, seq, token: int = 7, salt=None):
     seq.output_token_ids.append(token)
     cow = bm.append_slot(seq)
-    seq.num_computed_tokens = len(seq)
+    bm.mark_computed(seq, bm.num_uncomputed_tokens(seq), salt)
     return cow
 
 
@@ -102,7 +102,7 @@ def test_prefix_cache_reuses_blocks_and_evicts_least_recently_freed():
     assert bm.can_allocate(b) is AllocStatus.OK
     bm.allocate(b)
     assert bm.block_table(b.seqs[0])[:2].tolist() == [0, 1]
-    assert b.seqs[0].num_computed_tokens == 8
+    assert bm.num_computed_tokens(b.seqs[0]) == 8
     bm.free(a.seqs[0])
     bm.free(b.seqs[0])
     bm.check_integrity()
@@ -127,7 +127,7 @@ def test_whole_prompt_cached_still_computes_last_token():
     bm.free(a.seqs[0])
     b = make_group(8, "b")
     bm.allocate(b)
-    assert b.seqs[0].num_computed_tokens == 4  # the last block is recomputed to get logits
+    assert bm.num_computed_tokens(b.seqs[0]) == 4  # the last block is recomputed to get logits
     bm.free(b.seqs[0])
     bm.check_integrity()
 
@@ -138,7 +138,7 @@ def test_cache_salt_separates_tenants():
     admit(bm, a)
     b = make_group(9, "b", salt="tenant-2")
     bm.allocate(b)
-    assert b.seqs[0].num_computed_tokens == 0
+    assert bm.num_computed_tokens(b.seqs[0]) == 0
     assert not set(bm.block_table(a.seqs[0])) & set(bm.block_table(b.seqs[0]))
     bm.free(a.seqs[0])
     bm.free(b.seqs[0])
@@ -155,7 +155,7 @@ def test_prompt_logprobs_request_computes_its_whole_prompt_but_publishes_its_blo
     assert bm.can_allocate(p) is AllocStatus.OK
     assert bm.num_tokens_to_compute(p) == 9
     bm.allocate(p)
-    assert p.seqs[0].num_computed_tokens == 0
+    assert bm.num_computed_tokens(p.seqs[0]) == 0
     assert bm.block_table(p.seqs[0]).tolist() == [3, 4, 5]
     assert (bm.prefix_queries, bm.prefix_hits) == (9, 0)  # a's lookup only
     bm.free(a.seqs[0])
@@ -170,7 +170,7 @@ def test_prompt_logprobs_request_computes_its_whole_prompt_but_publishes_its_blo
     b = make_group(9, "b")
     bm.allocate(b)
     assert bm.block_table(b.seqs[0]).tolist() == [0, 1, 3]
-    assert b.seqs[0].num_computed_tokens == 8
+    assert bm.num_computed_tokens(b.seqs[0]) == 8
     assert (bm.prefix_queries, bm.prefix_hits) == (9, 8)
     # Scores gathered for positions 0..5 (a recompute part way through the prompt): the cache
     # serves the tokens before position 5, whole blocks of them (one of 4); all once complete.
@@ -202,7 +202,7 @@ def test_cached_prefix_hits_cost_no_tokens_and_live_ones_no_free_block():
     assert pool_state(bm) == before
     bm.allocate(b)
     assert bm.block_table(b.seqs[0]).tolist() == [0, 1, 3]
-    assert b.seqs[0].num_uncomputed_tokens == 1
+    assert bm.num_uncomputed_tokens(b.seqs[0]) == 1
     assert bm.can_allocate(make_group(9, "c")) is AllocStatus.LATER  # shares 0, 1; no block left
     bm.free(a.seqs[0])
     bm.free(b.seqs[0])
@@ -222,7 +222,7 @@ def test_cached_prefix_hits_cost_no_tokens_and_live_ones_no_free_block():
     assert bm.can_allocate(d) is AllocStatus.OK
     bm.allocate(d)
     assert bm.block_table(d.seqs[0]).tolist() == [0, 1, 3]
-    assert d.seqs[0].num_uncomputed_tokens == 1
+    assert bm.num_uncomputed_tokens(d.seqs[0]) == 1
     bm.free(d.seqs[0])
     bm.check_integrity()
 
@@ -234,7 +234,7 @@ def test_whole_cached_prompt_counts_its_last_block_as_tokens_to_compute():
     b = make_group(8, "b")
     assert bm.num_tokens_to_compute(b) == 4
     bm.allocate(b)
-    assert b.seqs[0].num_uncomputed_tokens == 4
+    assert bm.num_uncomputed_tokens(b.seqs[0]) == 4
     assert bm.block_table(b.seqs[0]).tolist() == [0, 2]
     bm.free(a.seqs[0])
     bm.free(b.seqs[0])
@@ -275,7 +275,7 @@ def admit_checked(bm: BlockManager, g: SequenceGroup) -> None:
     free_before, tokens = bm.num_free_device_blocks, bm.num_tokens_to_compute(g)
     needed = bm.plan(g).num_free_needed
     bm.allocate(g)
-    computed = sum(s.num_uncomputed_tokens for s in seqs)
+    computed = sum(bm.num_uncomputed_tokens(s) for s in seqs)
     taken = free_before - bm.num_free_device_blocks
     if len(seqs) == 1:
         assert (computed, taken) == (tokens, needed)
@@ -283,7 +283,7 @@ def admit_checked(bm: BlockManager, g: SequenceGroup) -> None:
         assert computed <= tokens and taken <= needed
     for s in seqs:
         s.status = SequenceStatus.RUNNING
-        s.num_computed_tokens = len(s)
+        bm.mark_computed(s, bm.num_uncomputed_tokens(s), g.params.cache_salt)
 
 
 @settings(max_examples=60, deadline=None)
@@ -303,6 +303,8 @@ def test_random_walk_keeps_invariants(seed, block_size, prefix):
             if bm.can_allocate(g) is AllocStatus.OK:
                 admit_checked(bm, g)
                 live.append(g)
+            else:  # turned away: forgotten as the scheduler forgets a request it drops
+                bm.free(g.seqs[0])
         elif op < 0.6 and live:
             g = rng.choice(live)
             running = g.seqs_with_status(SequenceStatus.RUNNING)
@@ -316,7 +318,7 @@ def test_random_walk_keeps_invariants(seed, block_size, prefix):
                 table_before = list(bm.block_table(seq))  # (the live list changes)
                 shared_before = [bm.device.blocks[b].ref_count > 1 for b in table_before]
                 cow = bm.append_slot(seq)
-                seq.num_computed_tokens = len(seq)
+                bm.mark_computed(seq, bm.num_uncomputed_tokens(seq), None)
                 if cow is not None:
                     idx = table_before.index(cow[0])
                     assert shared_before[idx], "copied a block that was not shared"
@@ -338,14 +340,15 @@ def test_random_walk_keeps_invariants(seed, block_size, prefix):
             g = rng.choice(live)
             live.remove(g)
             for seq in g.unfinished_seqs:
-                bm.free(seq)
-                seq.num_computed_tokens = 0
+                bm.free_to_recompute(seq)
                 seq.status = SequenceStatus.WAITING
             if bm.can_allocate(g) is AllocStatus.OK:
                 admit_checked(bm, g)
                 live.append(g)
             else:
                 g.set_status(SequenceStatus.FINISHED_ABORTED)
+                for seq in g.seqs:
+                    bm.free(seq)
         elif op < 0.9 and swapped:
             g = swapped[0]
             if bm.can_swap_in(g):
@@ -360,14 +363,66 @@ def test_random_walk_keeps_invariants(seed, block_size, prefix):
                 bm.free(seq)
             (live if g in live else swapped).remove(g)
         bm.check_integrity()
-        for g in live:  # every token has a slot
-            for seq in g.seqs_with_status(SequenceStatus.RUNNING):
-                assert len(bm.block_table(seq)) * block_size >= len(seq)
+        check_read_only_views(bm, live, swapped)
     for g in live + swapped:
         for seq in g.seqs:
             bm.free(seq)
     bm.check_integrity()
     assert bm.all_free()
+
+
+def check_read_only_views(bm: BlockManager, live: list[SequenceGroup], swapped: list[SequenceGroup]) -> None:
+    """What others read of the block manager agrees with its state: every token of a running
+    sequence has a slot and is computed, `describe_table` and `num_slots` give its table and
+    the blocks' ref counts, `usage` counts what the tables hold."""
+    used = {"device": set(), "cpu": set()}
+    for g in live + swapped:
+        for seq in g.unfinished_seqs:
+            pool, table, refs = bm.describe_table(seq)
+            assert pool == ("device" if g in live else "cpu")
+            blocks = bm.device.blocks if pool == "device" else bm.cpu.blocks
+            assert refs == [blocks[i].ref_count for i in table] and all(r >= 1 for r in refs)
+            used[pool].update(table)
+            if seq.status == SequenceStatus.RUNNING:
+                assert list(bm.block_table(seq)) == table and bm.num_slots(seq) == len(table) * bm.block_size
+                assert bm.num_slots(seq) >= len(seq) == bm.num_computed_tokens(seq)
+    usage = bm.usage()
+    assert (usage.device_used, usage.cpu_used) == (len(used["device"]), len(used["cpu"]))
+    assert usage.num_free_device_blocks == bm.num_free_device_blocks <= usage.num_device_blocks - usage.device_used
+
+
+def test_a_sequence_holds_no_kv_state():
+    """A Sequence is tokens, status and sampling state: what the cache holds of it is the block
+    manager's record, which it drops when the sequence is freed."""
+    bm = BlockManager(8, 0, 4, enable_prefix_caching=True)
+    g = make_group(9)
+    for name in ("num_computed_tokens", "num_uncomputed_tokens", "block_hashes", "num_registered_blocks", "waits_for"):
+        assert not hasattr(g.seqs[0], name), name
+    admit(bm, g)
+    assert bm.num_computed_tokens(g.seqs[0]) == 9 and bm.kv[g.seqs[0].seq_id].block_hashes
+    bm.free(g.seqs[0])
+    assert bm.num_computed_tokens(g.seqs[0]) == 0 and bm.all_free()
+
+
+def test_only_the_scheduler_changes_the_block_manager():
+    """Ownership, read from the source: the block manager's changing methods are called from
+    the scheduler alone (StepPlan takes its slots through the scheduler's `take_slot`), and a
+    sequence's KV record is written in the block manager and its prefix cache alone."""
+    import re
+    from pathlib import Path
+
+    import engine
+
+    changing = ("allocate", "append_slot", "fork", "free", "free_to_recompute", "mark_computed", "swap_in",
+                "swap_out", "reset", "take_table_changes")
+    call = re.compile(r"(?:block_manager|\bbm)\.(%s)\b" % "|".join(changing))
+    write = re.compile(r"\.(num_computed_tokens|num_registered_blocks|block_hashes|waits_for)\s*(?:\+|-)?=[^=]")
+    for path in Path(engine.__file__).parent.rglob("*.py"):
+        text = path.read_text()
+        if path.name not in ("scheduler.py", "block_manager.py"):
+            assert not call.findall(text), f"{path.name} changes the block manager: {call.findall(text)}"
+        if path.name not in ("block_manager.py", "prefix_cache.py"):
+            assert not write.findall(text), f"{path.name} writes KV state: {write.findall(text)}"
 
 
 @pytest.mark.parametrize("reserve", [64])

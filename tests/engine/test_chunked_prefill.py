@@ -131,7 +131,7 @@ def test_preemption_during_a_partial_prefill(make_llm, hf_model, tokenizer, mode
             return
         out_of_running = g in engine.scheduler.swapped or g in engine.scheduler.waiting
         if out_of_running and g.metrics.first_scheduled_time is not None and not preempted_at:
-            preempted_at.append(g.seqs[0].num_computed_tokens)
+            preempted_at.append(engine.block_manager.num_computed_tokens(g.seqs[0]))
 
     done = step_all(engine, {0: [("long", long, greedy(8))]}, check)
     assert preempted_at == [96 if mode == "swap" else 0]

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.persistent_batch import PersistentBatch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import SequenceGroup, SequenceStatus
@@ -88,11 +89,14 @@ def step_ms(decodes: int, prefill: int, rng: random.Random) -> float:
     return (1.0 + decodes / 10 + prefill / 4) * rng.uniform(0.9, 1.1)
 
 
-def step(sched: Scheduler, rng: random.Random, w: World) -> list[SequenceGroup]:
-    """One engine step without a model; returns the requests that finished."""
+def step(sched: Scheduler, rng: random.Random, w: World, batch: PersistentBatch) -> list[SequenceGroup]:
+    """One engine step without a model; returns the requests that finished. `batch`: a
+    tensor-parallel worker's copy of the tables, fed only each step's changes."""
     bm = sched.block_manager
     oldest = sched.oldest()
     out = sched.schedule()
+    batch.apply(out.table_changes)
+    assert batch.tables == bm.tables, "a worker's copy of the tables drifted from the block manager's"
     # The oldest request advances every step (the liveness argument's premise), whatever order
     # the step runs its chunk in.
     assert oldest is None or any(s.group is oldest for s in out.scheduled), oldest.request_id
@@ -117,20 +121,20 @@ def step(sched: Scheduler, rng: random.Random, w: World) -> list[SequenceGroup]:
         if s.is_prefill and g.prompt_logprobs_pending and s.seq is g.seqs[0]:
             # what engine/prompt_logprobs.py gathers: this chunk's rows score the positions after
             # them; none may be left unscored before the chunk (prefix hits stop short of them)
-            so_far, start, prompt = g.prompt_logprobs_so_far, s.seq.num_computed_tokens, g.prompt_token_ids
+            so_far, start, prompt = g.prompt_logprobs_so_far, s.start, g.prompt_token_ids
             assert start < len(so_far), (g.request_id, start, len(so_far))
             so_far.extend({} for _ in range(len(so_far), min(start + s.num_tokens + 1, len(prompt))))
             if start + s.num_tokens >= len(prompt):
                 g.prompt_logprobs = so_far
                 if start > 0:
                     event("prompt logprobs over several chunks")
-        s.seq.num_computed_tokens += s.num_tokens
-        assert s.seq.num_computed_tokens <= len(s.seq)
-        if s.is_prefill:
-            bm.register_full_blocks(s.seq, None)
+        # NOTE: what Scheduler.update_from_output does first (the forks below need it)
+        assert s.start == bm.num_computed_tokens(s.seq)
+        bm.mark_computed(s.seq, s.num_tokens, None)
+        assert bm.num_computed_tokens(s.seq) <= len(s.seq)
         if not s.samples:
             continue
-        assert s.seq.num_uncomputed_tokens == 0
+        assert bm.num_uncomputed_tokens(s.seq) == 0
         assert not g.prompt_logprobs_pending, "sampled before its prompt logprobs were complete"
         if g.is_beam_search:
             beams.setdefault(g.request_id, [g, []])[1].append(s.seq)
@@ -201,13 +205,14 @@ def run(w: World) -> int:
     groups = [make_group(w, i, r) for i, r in enumerate(reqs)]
     order = sorted(range(len(reqs)), key=lambda i: groups[i].priority)
     finished_at: dict[str, int] = {}
+    batch = PersistentBatch()
     limit = max((r.arrival for r in reqs), default=0) + sum(bound(w, r) for r in reqs) + 1
     while len(finished_at) < len(groups):
         for g, r in zip(groups, reqs):
             if r.arrival == t:
                 sched.add(g)
         t += 1
-        for g in step(sched, rng, w):
+        for g in step(sched, rng, w, batch):
             finished_at[g.request_id] = t
         assert t <= limit, f"no progress: {len(finished_at)}/{len(groups)} finished after {t} steps"
     # Each request finished within its bound of becoming the oldest: no starvation.
@@ -219,7 +224,9 @@ def run(w: World) -> int:
         oldest_since = max(oldest_since, finished_at[g.request_id])
     assert not sched.has_unfinished()
     bm.check_integrity()
-    assert not bm.tables and not bm.cpu_tables
+    assert not bm.tables and not bm.cpu_tables and bm.all_free(), "a table or a sequence's KV record leaked"
+    batch.apply(bm.take_table_changes())
+    assert not batch.tables, "a worker still holds tables of finished sequences"
     assert bm.device.num_free == bm.device.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks
     return sum(sched.num_preemptions.values())
 

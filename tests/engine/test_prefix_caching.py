@@ -155,7 +155,7 @@ def test_parallel_samples_hold_one_copy_of_the_prompt(make_llm, monkeypatch, pro
     def measuring_schedule():
         nonlocal peak
         out = schedule()  # the pool is fullest right after scheduling (new and copied blocks)
-        peak = max(peak, bm.usage()["device_used"])
+        peak = max(peak, bm.usage().device_used)
         return out
 
     monkeypatch.setattr(engine.scheduler, "schedule", measuring_schedule)

@@ -207,7 +207,7 @@ def test_chunks_of_random_sizes_equal_the_one_step_result(make_llm, tokenizer):
     def recording(group, *args, **kwargs):
         allocate(group, *args, **kwargs)
         if group.prompt_logprobs_pending:
-            admitted.append((group.request_id, group.seqs[0].num_computed_tokens))
+            admitted.append((group.request_id, bm.num_computed_tokens(group.seqs[0])))
 
     try:
         bm.allocate = recording

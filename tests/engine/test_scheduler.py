@@ -30,20 +30,25 @@ def fake_step(sched: Scheduler):
     """schedule, 'run' (mark computed, register prefilled blocks, append a token unless a partial
     prefill chunk), finish at max_tokens, free."""
     out = sched.schedule()
+    return out, complete(sched, out)
+
+
+def complete(sched: Scheduler, out: SchedulerOutput):
+    """The rest of `fake_step` once `out` is scheduled; returns the finished requests."""
+    bm = sched.block_manager
     for s in out.scheduled:
-        s.seq.num_computed_tokens += s.num_tokens
-        if s.is_prefill:  # as the engine does: computed full blocks join the prefix cache
-            sched.block_manager.register_full_blocks(s.seq, s.group.params.cache_salt)
+        assert s.start == bm.num_computed_tokens(s.seq)
         if not s.samples:
-            assert s.is_prefill and s.seq.num_uncomputed_tokens > 0
+            assert s.is_prefill and bm.num_uncomputed_tokens(s.seq) > s.num_tokens
             continue
-        assert s.seq.num_uncomputed_tokens == 0
+        assert bm.num_uncomputed_tokens(s.seq) == s.num_tokens
         s.seq.output_token_ids.append(99)
         if len(s.seq.output_token_ids) >= s.group.params.max_tokens:
             s.seq.status = SequenceStatus.FINISHED_LENGTH
-    finished = sched.free_finished()
-    sched.block_manager.check_integrity()
-    return out, finished
+    # as the engine does: computed tokens advance and full blocks join the prefix cache
+    finished = sched.update_from_output(out)
+    bm.check_integrity()
+    return finished
 
 
 def test_new_request_joins_running_batch_mid_flight():
@@ -119,7 +124,7 @@ def test_recompute_preemption_requeues_at_front():
         if out.preempted:
             seen_recompute = True
             assert sched.waiting[0].request_id == "new"  # ahead of "later"
-            assert sched.waiting[0].seqs[0].num_computed_tokens == 0
+            assert sched.block_manager.num_computed_tokens(sched.waiting[0].seqs[0]) == 0
     assert seen_recompute and sched.num_preemptions["recompute"] >= 1
     assert sched.block_manager.all_free()
 
@@ -294,12 +299,12 @@ def test_preempted_partial_prefill_goes_on_prefilling(mode):
     assert chunks_of(out, "long") == [(12, False)]
     out, _ = fake_step(sched)  # old needs a 5th block: none free
     assert out.preempted == ["long"] and chunks_of(out, "long") == []
-    seq = long.seqs[0]
-    assert seq.num_computed_tokens == (12 if mode == "swap" else 0) and not seq.output_token_ids
+    seq, bm = long.seqs[0], sched.block_manager
+    assert bm.num_computed_tokens(seq) == (12 if mode == "swap" else 0) and not seq.output_token_ids
     assert seq.status == (SequenceStatus.SWAPPED if mode == "swap" else SequenceStatus.WAITING)
     starts = []
     while not seq.output_token_ids:
-        before = seq.num_computed_tokens
+        before = bm.num_computed_tokens(seq)
         out, _ = fake_step(sched)
         for n, _ in chunks_of(out, "long"):
             starts.append((before, n))
@@ -335,7 +340,7 @@ def test_recomputed_samples_wait_for_the_shared_prompt_blocks(prompt_len, steps)
     sched.running.remove(g)
     seen = []
     for _ in range(3):
-        before = {s.seq_id: s.num_computed_tokens for s in g.seqs}
+        before = {s.seq_id: bm.num_computed_tokens(s) for s in g.seqs}
         out, _ = fake_step(sched)
         seen.append([(s.seq.index, before[s.seq.seq_id], s.num_tokens, s.samples) for s in out.scheduled])
     assert seen == steps

@@ -29,7 +29,7 @@ def test_calibration_trains_the_model_and_leaves_a_fresh_engine():
     bm = e.block_manager
     assert not e.requests and not e.has_unfinished_requests()
     assert list(bm.device.free) == list(range(bm.device.num_blocks)) and not bm.device.cached
-    assert not bm.device.by_hash and bm.prefix_queries == bm.prefix_hits == bm.num_hashes == 0
+    assert not bm.device.by_hash and bm.prefix_queries == bm.prefix_hits == bm.prefix.num_hashes == 0
     bm.check_integrity()
     assert e.stats.generation_tokens == e.stats.prompt_tokens == 0 and not e.stats.success
     assert e.scheduler.num_preemptions == {"swap": 0, "recompute": 0} and not e.scheduler.events.recent()

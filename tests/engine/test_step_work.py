@@ -52,9 +52,9 @@ def test_a_long_stream_costs_the_same_per_step_at_its_end_as_at_its_start(tmp_pa
 
     engine.scheduler.schedule = checked_schedule
     while engine.has_unfinished_requests():
-        before = bm.num_hashes
+        before = bm.prefix.num_hashes
         outputs = engine.step()
-        hashes.append(bm.num_hashes - before)
+        hashes.append(bm.prefix.num_hashes - before)
         reported.append(sum(len(c.token_ids) for o in outputs for c in o.outputs))
     assert len(seq.output_token_ids) == NEW_TOKENS
     # Every token is reported once, in the step that made it: deltas, never the whole so far.

@@ -48,11 +48,10 @@ def test_step_input_is_lean_and_picklable():
     from engine.sequence import Sequence
 
     prefill, decode = Sequence(list(range(40))), Sequence([1, 2, 3])
-    prefill.num_computed_tokens = 16  # a cached prefix
     decode.output_token_ids = [7, 8]
-    decode.num_computed_tokens = 4
-    out = SchedulerOutput(
-        scheduled=[ScheduledSeq(prefill, None, 24, True, [3, 4, 5]), ScheduledSeq(decode, None, 1, False, [9])],
+    out = SchedulerOutput(  # the prefill after a cached prefix of 16 tokens
+        scheduled=[ScheduledSeq(prefill, None, 24, True, [3, 4, 5], start=16),
+                   ScheduledSeq(decode, None, 1, False, [9], start=4)],
         blocks_to_swap_in=[(0, 1)], blocks_to_copy=[(2, 6)],
     )
     step = StepInput.from_scheduler_output(out)

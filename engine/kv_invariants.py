@@ -1,0 +1,37 @@
+"""The block manager's invariants, asserted (`BlockManager.check_integrity`, which every
+scheduler and engine test calls after each step). Reads its tables, pools and records; changes
+nothing. Kept apart from the block manager: it is the tests' contract on it, not bookkeeping."""
+
+from __future__ import annotations
+
+
+def check_invariants(bm) -> None:
+    """Assert, for a `BlockManager` `bm`: free + cached + used == total in each pool, every ref
+    count equals the number of tables holding the block, the usage counters agree, the table
+    rows mirror the device tables, and every sequence holding a table has its record
+    (`SeqKv`), with no more tokens computed than its device blocks hold."""
+    for pool, tables in ((bm.device, bm.tables), (bm.cpu, bm.cpu_tables)):
+        refs = [0] * pool.num_blocks
+        for table in tables.values():
+            for i in table:
+                refs[i] += 1
+        for b in pool.blocks:
+            assert b.ref_count == refs[b.block_id], f"{b} held by {refs[b.block_id]} tables"
+        free, cached = set(pool.free), set(pool.cached)
+        assert len(free) == len(pool.free), "a block is twice in the free list"
+        assert not free & cached, "a block is both free and cached"
+        for i in free | cached:
+            assert pool.blocks[i].ref_count == 0, f"{pool.blocks[i]} is free but referenced"
+        used = sum(1 for b in pool.blocks if b.ref_count > 0)
+        assert used + len(free) + len(cached) == pool.num_blocks, "a block is lost"
+        assert (pool.num_used, pool.num_refs) == (used, sum(refs)), "usage counters drifted"
+        assert pool.num_shared == sum(1 for b in pool.blocks if b.ref_count > 1), "shared counter drifted"
+        for h, i in pool.by_hash.items():
+            assert pool.blocks[i].hash == h
+        for seq_id in tables:
+            assert seq_id in bm.kv, f"sequence {seq_id} holds a table but has no KV record"
+    for seq_id, table in bm.tables.items():
+        kv = bm.kv[seq_id]
+        assert kv.num_computed_tokens <= len(table) * bm.block_size, f"sequence {seq_id} computed past its blocks"
+        assert kv.num_registered_blocks <= len(table), f"sequence {seq_id} published blocks it does not hold"
+    bm.rows.check(bm.tables)
