@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from array import array
 
-from engine.model_runner import StepInput
+from engine.scheduler_output import StepInput
 
 
 def for_workers(step: StepInput, earlier: list[tuple] = ()) -> StepInput:
