@@ -90,7 +90,7 @@ COPY . /app
 # Editable, so that the code finds configs/ beside it; the console script is `paged-serve`.
 RUN pip install --no-cache-dir --no-deps --no-build-isolation -e /app
 # Dequantize the default model once, now, so that a container starts in seconds.
-RUN python -c "from engine.models.loader import resolve_model; print(resolve_model(None))"
+RUN python -c "from engine.worker.models.loader import resolve_model; print(resolve_model(None))"
 # Build the CPU ops now. With a portable setting their cache key leaves out the CPU model, so
 # a container on any host loads this build (no compiler run at start).
 RUN python -c "from cuda_ext import build; print(build.load('cpu'))"
@@ -159,7 +159,7 @@ COPY --from=cuda-builder /opt/venv /opt/venv
 COPY --from=cuda-builder /opt/paged-serve /opt/paged-serve
 COPY --from=cuda-builder /app /app
 WORKDIR /app
-RUN python -c "from engine.models.loader import resolve_model; print(resolve_model(None))" \
+RUN python -c "from engine.worker.models.loader import resolve_model; print(resolve_model(None))" \
  && chown -R paged:paged /opt/paged-serve
 USER paged
 EXPOSE 8000

@@ -208,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from engine.models.loader import default_gguf_path
+    from engine.worker.models.loader import default_gguf_path
 
-    from engine.models.loader import gguf_tokenizer_dir
+    from engine.worker.models.loader import gguf_tokenizer_dir
 
     gguf = Path(args.model) if args.model else default_gguf_path()
     model = MODEL if args.model is None else gguf.stem
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     binary = ensure_llama_server(args.llama_server) if "llama-server" in servers else None
     vllm = None
     if "vllm" in servers:
-        from engine.models.loader import convert_gguf
+        from engine.worker.models.loader import convert_gguf
 
         if not args.vllm_python:
             p.error("--servers ...,vllm needs --vllm-python")

@@ -164,7 +164,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_engine(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.engine_args import EngineArgs
+    from engine.loop.engine_args import EngineArgs
 
     block_blocks = -(-args.max_model_len // args.block_size)
     num_blocks = args.num_kv_blocks or args.reserve_seqs * block_blocks

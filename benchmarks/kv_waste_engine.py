@@ -83,7 +83,7 @@ class _KVSampler:
         self.used_blocks: list[int] = []
 
     def sample(self) -> None:
-        from engine.sequence import SequenceStatus
+        from engine.core.sequence import SequenceStatus
 
         bm = self.engine.block_manager
         running = 0
@@ -118,8 +118,8 @@ def measure_engine(args, kv_allocation: str, lengths: list[int], max_tokens: int
     """
     from dataclasses import replace
 
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
+    from engine.loop.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(replace(args, kv_allocation=kv_allocation))
     bm = engine.block_manager

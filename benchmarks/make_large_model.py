@@ -33,7 +33,7 @@ def make_hf_dir(out: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from engine.models.loader import default_gguf_path, gguf_tokenizer_dir
+    from engine.worker.models.loader import default_gguf_path, gguf_tokenizer_dir
 
     target = out / "model-1.7b-hf"
     if (target / "config.json").exists():

@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--swap-gib", type=float, default=1.0)
     ap.add_argument("--json")
     args = ap.parse_args()
-    logging.getLogger("engine.scheduler").setLevel(logging.ERROR)
+    logging.getLogger("engine.sched.scheduler").setLevel(logging.ERROR)
     results = [run(m, args.num_blocks, args, 0) for m in ("swap", "recompute")]
     results.append(run("swap", None, args, 0))
     same = all(r["outputs"] == results[-1]["outputs"] for r in results)

@@ -37,7 +37,7 @@ TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K"]
 def prompt_logits(llm, ids: list[int]) -> torch.Tensor:
     """The full next-token logits at prompt positions 0 .. n-2, read as the runner scores the
     prompt (prompt_logprobs): its LM-head calls after the first (the last token's) are those rows."""
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     model = llm.engine.executor.runner.model
     seen, compute = [], model.compute_logits
@@ -73,7 +73,7 @@ def make_files(source: Path, out: Path) -> dict[str, Path]:
 
 
 def ours(files: dict[str, Path], ids: list[int]) -> dict[str, dict]:
-    from engine.llm import LLM
+    from engine.loop.llm import LLM
 
     args = dict(max_num_batched_tokens=2048, enable_prefix_caching=False)
     dense = LLM(str(files["F32"]), quantization="none", dtype="float32", **args)
@@ -115,8 +115,8 @@ def _run(cmd: list[str]) -> str:
 
 
 def main() -> None:
-    from engine.models.loader import default_gguf_path
-    from engine.tokenizer import load_tokenizer
+    from engine.loop.tokenizer import load_tokenizer
+    from engine.worker.models.loader import default_gguf_path
     from tests.engine.prompts import MORE_TEXT, TEXT
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

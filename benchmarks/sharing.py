@@ -39,8 +39,8 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/sharing.py
 
 from benchmarks.serve import percentile
 from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.tokenizer import apply_chat_template
+from engine.loop.llm_engine import LLMEngine
+from engine.loop.tokenizer import apply_chat_template
 
 # Short instructions in the style of the Alpaca data set (written for this benchmark).
 INSTRUCTIONS = [
@@ -266,8 +266,8 @@ def run_prefix_once(args, prompts: list[list[int]], caching: bool) -> tuple[dict
 
 
 def run_prefix(args) -> dict:
-    from engine.models.loader import resolve_model
-    from engine.tokenizer import load_tokenizer
+    from engine.loop.tokenizer import load_tokenizer
+    from engine.worker.models.loader import resolve_model
 
     tokenizer = load_tokenizer(resolve_model(None)[0])
     prompts = make_requests(tokenizer, args.num_requests, args.system_tokens)

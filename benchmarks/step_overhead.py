@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.outputs import OutputKind
-from engine.sampling_params import SamplingParams
+from engine.core.outputs import OutputKind
+from engine.core.sampling_params import SamplingParams
+from engine.loop.engine_args import EngineArgs
+from engine.loop.llm_engine import LLMEngine
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ def measure(batch: int, context: int, steps: int, sampling: str, seed: int = 0, 
         torch.cuda.empty_cache()
     engine = LLMEngine(args.create_engine_config())
     gc.collect()
-    gc.freeze()  # as the server does once its engine is loaded (engine/async_engine.py)
+    gc.freeze()  # as the server does once its engine is loaded (engine/loop/async_engine.py)
     if sampling == "greedy":
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     else:

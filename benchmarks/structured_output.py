@@ -19,8 +19,8 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
-from engine.guided_decoding import GuidedDecoding
-from engine.structured_output import apply_grammar_masks
+from engine.core.guided_decoding import GuidedDecoding
+from engine.sample.structured_output import apply_grammar_masks
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
           "required": ["name", "tags"]}

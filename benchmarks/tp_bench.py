@@ -36,8 +36,8 @@ def make_prompts(n: int, prompt_len: int, vocab_size: int, tokenizer) -> list[li
 
 
 def run_one(tp: int, args) -> dict:
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
+    from engine.loop.llm import LLM
 
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format=args.load_format, device=args.device, tensor_parallel_size=tp,

@@ -208,7 +208,7 @@ def decoder_stack(x: Tensor, positions: Tensor, weights: Sequence[Tensor], qkv_b
                   intermediate_size: int, scale: float, eps: float, rows: Tensor | None) -> Tensor:
     """A Llama-family model's decoder layers and final RMSNorm over one step's tokens, in one
     call (csrc/cpu/decoder_stack.cpp): the kernels of this module, in the order and on the
-    tensors engine/models/llama.py uses with the fused ops and the panels kernel, so the same
+    tensors engine/worker/models/llama.py uses with the fused ops and the panels kernel, so the same
     floats, without the host work between them. ``x``: the embeddings ``[tokens, hidden]`` fp32
     (overwritten); ``weights``: per layer its input norm, qkv panels, o panels, post-attention
     norm, gate/up panels in pairs (:func:`linear_panels_silu_mul`), down panels; ``qkv_biases``:

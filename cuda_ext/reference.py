@@ -139,7 +139,7 @@ def score_tokens(logits: Tensor, targets: Tensor, k: int) -> tuple[Tensor, Tenso
 
 
 # The model's elementwise work (the compiled versions fuse each into one pass: cpu/fused.cpp).
-# These are what engine/models/layers.py always ran; the compiled ones match them to rounding.
+# These are what engine/worker/models/layers.py always ran; the compiled ones match them to rounding.
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:

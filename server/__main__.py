@@ -10,7 +10,7 @@ from typing import Any
 
 import uvicorn
 
-from engine.engine_args import EngineArgs
+from engine.loop.engine_args import EngineArgs
 from server.app import create_app
 from server.cli import parse_args
 from server.shutdown import DrainingServer
@@ -23,7 +23,7 @@ def _engine_factory(engine_args: EngineArgs, dotted: str | None) -> Callable[[],
         return lambda: factory(engine_args)
 
     def build() -> Any:
-        from engine.llm_engine import LLMEngine
+        from engine.loop.llm_engine import LLMEngine
 
         return LLMEngine.from_engine_args(engine_args)
 

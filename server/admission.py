@@ -7,22 +7,22 @@
    checks each setting's range);
 2. the prompt's shape and the server's prompt limits (how many prompts, how many tokens in all);
 3. tokenization and chat templates on the input processor's worker threads;
-4. engine admission per prompt (engine/admission.py: not empty, ids in the vocabulary, room in
+4. engine admission per prompt (engine/core/admission.py: not empty, ids in the vocabulary, room in
    the context, the final max_tokens), also off the event loop;
 5. each constrained prompt's grammar, compiled and started off the engine thread.
 
 Every refusal is an `OpenAIError` 400 naming the field at fault (`param`) and OpenAI's `code`
 where it has one. What needs the KV pool's size is still checked by the engine when the request
-is added (engine/request_checks.py).
+is added (engine/loop/request_checks.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine.admission import EngineRequest, admit as admit_prompt, check_not_empty
-from engine.request_error import RequestError
-from engine.sampling_params import SamplingParams
+from engine.core.admission import EngineRequest, admit as admit_prompt, check_not_empty
+from engine.core.request_error import RequestError
+from engine.core.sampling_params import SamplingParams
 from server.context import ServerContext
 from server.errors import bad_request, from_request_error
 from server.input_processor import Prompt

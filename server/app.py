@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.loop.async_engine import AsyncEngine, EngineDeadError
 from server.context import ServerContext
 from server.errors import install_error_handlers
 from server.generation_defaults import load_generation_defaults

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from engine.config import QUANTIZATIONS, SCHEDULING_POLICIES, parse_size
-from engine.engine_args import EngineArgs
-from engine.models.linear_kernel import KERNELS as LINEAR_KERNELS
+from engine.core.config import QUANTIZATIONS, SCHEDULING_POLICIES, parse_size
+from engine.loop.engine_args import EngineArgs
+from engine.worker.models.linear_kernel import KERNELS as LINEAR_KERNELS
 from server.settings import ServerSettings
 
 API_KEY_ENV = "PAGED_SERVE_API_KEY"

@@ -8,8 +8,8 @@ from typing import Any
 
 from fastapi import Request
 
-from engine.admission import AdmissionLimits
-from engine.async_engine import AsyncEngine
+from engine.core.admission import AdmissionLimits
+from engine.loop.async_engine import AsyncEngine
 from server.errors import OpenAIError, shown
 from server.settings import ServerSettings
 
@@ -22,7 +22,7 @@ class ServerContext:
     model_name: str | None = None
     max_model_len: int | None = None
     vocab_size: int | None = None
-    # The engine's limits on a prompt (engine/admission.py), which server/admission.py admits against.
+    # The engine's limits on a prompt (engine/core/admission.py), which server/admission.py admits against.
     admission_limits: AdmissionLimits | None = None
     # server.input_processor.InputProcessor, once the model has loaded: the server's one way to
     # the tokenizer (it holds its own copy; the engine detokenizes with the engine's)

@@ -14,7 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import (
+from engine.core.request_error import RequestError
+from engine.loop.async_engine import (
     EngineDeadError,
     EngineNotReadyError,
     QueueFullError,
@@ -22,7 +23,6 @@ from engine.async_engine import (
     RequestFailedError,
     RequestInvalidError,
 )
-from engine.request_error import RequestError
 
 logger = logging.getLogger(__name__)
 

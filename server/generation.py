@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.admission import EngineRequest
-from engine.async_engine import AsyncEngine, RequestFailedError, RequestStream
-from engine.outputs import CompletionOutput, OutputKind, RequestOutput
+from engine.core.admission import EngineRequest
+from engine.core.outputs import CompletionOutput, OutputKind, RequestOutput
+from engine.loop.async_engine import AsyncEngine, RequestFailedError, RequestStream
 from server.context import ServerContext
 from server.errors import OpenAIError, from_engine_error, from_request_error
 from server.protocol import UsageInfo
@@ -31,7 +31,7 @@ async def start_requests(engine: AsyncEngine, base_id: str, requests: list[Engin
     request).
 
     Raises OpenAIError: 400 for what the engine refuses (a prompt or width its pool can never
-    run: engine/request_checks.py), 429/503 for the engine's state."""
+    run: engine/loop/request_checks.py), 429/503 for the engine's state."""
     try:
         engine.check_accepting(len(requests))
     except Exception as exc:  # noqa: BLE001

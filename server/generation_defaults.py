@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 # generation_config.json field -> request field (the fields vLLM takes from it)
 FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

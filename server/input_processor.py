@@ -1,7 +1,7 @@
 """`InputProcessor`: everything between a request's fields and the token ids the engine takes:
 chat templates (and the tool-calling prompt), tokenization, detokenization for echo and
 /detokenize, and starting each constrained prompt's grammar. It checks nothing of a prompt's
-length or ids: the admission pipeline (server/admission.py) does, through engine/admission.py.
+length or ids: the admission pipeline (server/admission.py) does, through engine/core/admission.py.
 
 The work runs on a small pool of worker threads, never on the event loop (which must keep
 answering /health and streaming other requests) and never on the engine thread (which must keep
@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from engine.admission import EngineRequest
-from engine.tokenizer import apply_chat_template, template_supports_tools
+from engine.core.admission import EngineRequest
+from engine.loop.tokenizer import apply_chat_template, template_supports_tools
 from server.errors import bad_request, from_request_error
 from server.tools import ToolPlan, check_tool_schemas, text_messages
 
@@ -30,7 +30,7 @@ _WORKERS = 2
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt, tokenized (not yet admitted: engine/admission.py checks it)."""
+    """One prompt, tokenized (not yet admitted: engine/core/admission.py checks it)."""
 
     token_ids: list[int]
     text: str | None  # the prompt's text (given or rendered; None for token ids: `prompt_text`)

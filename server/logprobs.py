@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from engine.outputs import Logprob
+from engine.core.outputs import Logprob
 from server.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 Decode = Callable[[int], str]

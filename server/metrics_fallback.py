@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from engine.metrics import EngineStats
+from engine.loop.metrics import EngineStats
 
 
 class FallbackMetrics:

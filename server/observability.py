@@ -31,7 +31,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from engine.metrics import EngineStats
+from engine.loop.metrics import EngineStats
 
 PREFIX = "paged_serve:"
 

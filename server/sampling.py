@@ -8,8 +8,8 @@ search's rules) are `SamplingParams`' alone: its `RequestError` names the field,
 
 from __future__ import annotations
 
-from engine.request_error import RequestError
-from engine.sampling_params import SamplingParams
+from engine.core.request_error import RequestError
+from engine.core.sampling_params import SamplingParams
 from server.errors import bad_request, from_request_error
 from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from server.settings import ServerSettings

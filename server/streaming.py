@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 
 from pydantic import BaseModel
 
-from engine.async_engine import RequestStream
+from engine.loop.async_engine import RequestStream
 from server.context import ServerContext
 from server.errors import OpenAIError, from_engine_error
 from server.generation import StreamTracker, release

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.guided_decoding import GuidedDecoding
+from engine.core.guided_decoding import GuidedDecoding
 from server.errors import bad_request
 from server.protocol import JsonTooDeep, JsonValueError, check_json_value
 from server.settings import ServerSettings
@@ -85,7 +85,7 @@ def _from_response_format(fmt: dict) -> GuidedDecoding | None:
 
 def _spec(kind: str, value: Any, param: str, settings: ServerSettings) -> GuidedDecoding:
     """The constraint as given; what its value must be (a JSON object, a list of strings) is
-    checked once, by `validate` (engine/structured_output.py), with the messages it gives."""
+    checked once, by `validate` (engine/sample/structured_output.py), with the messages it gives."""
     if kind == "json" and isinstance(value, str):
         _check_schema_text(value, param, settings)
         return GuidedDecoding(kind, value)  # a serialised schema: validate parses it

@@ -26,8 +26,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine.guided_decoding import GuidedDecoding
-from engine.structured_output import validate
+from engine.core.guided_decoding import GuidedDecoding
+from engine.sample.structured_output import validate
 from server.errors import bad_request
 from server.protocol import (
     JsonTooDeep,

@@ -9,7 +9,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from engine.models.loader import resolve_model
+    from engine.worker.models.loader import resolve_model
 
     return resolve_model(None, quantization="none")[0]  # the HF directory of its dequantized weights
 

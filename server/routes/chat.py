@@ -11,8 +11,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.async_engine import RequestStream
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.loop.async_engine import RequestStream
 from server.admission import PromptSource, admit
 from server.context import ServerContext, get_ctx
 from server.errors import OpenAIError, bad_request, from_engine_error

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.async_engine import RequestStream
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
+from engine.loop.async_engine import RequestStream
 from server.admission import PromptSource, admit
 from server.context import ServerContext, get_ctx
 from server.errors import OpenAIError, from_engine_error

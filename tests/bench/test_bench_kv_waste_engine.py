@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks import kv_waste
 from benchmarks.workload import sample_lengths
-from engine.engine_args import EngineArgs
+from engine.loop.engine_args import EngineArgs
 
 TINY_LLAMA = {
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -23,7 +23,7 @@ def hf_model(model_dir):
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
-    from engine.tokenizer import load_tokenizer
+    from engine.loop.tokenizer import load_tokenizer
 
     return load_tokenizer(model_dir)
 
@@ -47,7 +47,7 @@ def hf_reference(hf_model, hf_cases):
 
 
 def get_llm(**kwargs):
-    from engine.llm import LLM
+    from engine.loop.llm import LLM
 
     key = tuple(sorted(kwargs.items()))
     if key in _engines:
@@ -58,7 +58,7 @@ def get_llm(**kwargs):
             gc.collect()
         # NOTE: float32 and dense weights pinned: the tests compare with HF's fp32 model token for
         # token; `dtype="auto"` takes bf16 on a CPU that multiplies it natively, and the default
-        # `quantization="auto"` keeps the GGUF's weights quantized (engine/config.py).
+        # `quantization="auto"` keeps the GGUF's weights quantized (engine/core/config.py).
         args = {"max_model_len": 2048, "kv_cache_memory": "256MiB", "enable_prefix_caching": False,
                 "dtype": "float32", "quantization": "none"}
         args.update(kwargs)

@@ -1,4 +1,4 @@
-"""The order in which step (2) brings requests in (engine/admission_order.py), on its own and
+"""The order in which step (2) brings requests in (engine/sched/admission_order.py), on its own and
 through the real Scheduler and BlockManager (no model). The liveness walk in
 tests/engine/test_liveness.py draws the policy too."""
 
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine import admission_order
-from engine.admission_order import admission_queue
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import SequenceGroup, SequenceStatus
+from engine.core.config import SchedulerConfig
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import SequenceGroup, SequenceStatus
+from engine.kv.block_manager import BlockManager
+from engine.sched import admission_order
+from engine.sched.admission_order import admission_queue
+from engine.sched.scheduler import Scheduler
 from tests.engine.test_scheduler import fake_step
 
 

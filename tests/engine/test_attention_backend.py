@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from cuda_ext import ops
-from engine import attention_backend
-from engine.attention_backend import TorchPagedBackend
-from engine.scheduler_output import SeqInput
-from engine.table_rows import TableRows
+from engine.core.step import SeqInput
+from engine.core.table_rows import TableRows
+from engine.worker import attention_backend
+from engine.worker.attention_backend import TorchPagedBackend
 
 BS = 4
 

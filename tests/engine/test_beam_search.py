@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import beam_search
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import apply_chat_template
+from engine.core.sampling_params import SamplingParams
+from engine.loop.tokenizer import apply_chat_template
+from engine.sample import beam_search
 from tests.engine.prompts import prompt_of_length
 
 MAX_NEW = 12

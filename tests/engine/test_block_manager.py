@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import AllocStatus, BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import SequenceGroup, SequenceStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import SequenceGroup, SequenceStatus
+from engine.kv.block_manager import AllocStatus, BlockManager
 
 
 def make_group(n_tokens: int, rid: str = "r", first_token: int = 0, salt=None, **params) -> SequenceGroup:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.prompts import CASES as ALL_CASES
 from tests.engine.prompts import prompt_of_length

@@ -1,4 +1,4 @@
-"""The compiled decoder stack (engine/models/decoder_stack.py over cuda_ext/csrc/cpu/
+"""The compiled decoder stack (engine/worker/models/decoder_stack.py over cuda_ext/csrc/cpu/
 decoder_stack.cpp) gives the Python layers' floats bit for bit: every forward pass of seeded
 random workloads on the tiny dummy model (prompt chunks with and without a cached prefix beside
 decodes, prompt logprobs' extra rows, parallel samples' copy-on-write, q/k/v biases) runs both
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from cuda_ext import ops
-from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.models import decoder_stack, linear_kernel
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.loop.engine_args import EngineArgs
+from engine.loop.llm_engine import LLMEngine
+from engine.worker.models import decoder_stack, linear_kernel
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,7 +105,7 @@ def test_the_stack_gives_the_python_layers_floats(tmp_path, seed, bias, dtype, k
 
 
 def test_where_it_does_not_apply_the_layers_run_in_python(tmp_path, caplog):
-    caplog.set_level("INFO", logger="engine.model_runner")
+    caplog.set_level("INFO", logger="engine.worker.model_runner")
     for kwargs, why in (({"fused_ops": False}, "turned off"), ({"linear_kernel": "torch"}, "panels kernel"),
                         ({"dtype": "float16", "linear_kernel": "torch"}, "float32 or bfloat16")):
         engine = tiny_engine(tmp_path, **kwargs)

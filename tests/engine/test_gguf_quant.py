@@ -1,4 +1,4 @@
-"""GGUF weights served as stored (engine/models/gguf_file.py, gguf_weights.py, quant_linear.py):
+"""GGUF weights served as stored (engine/worker/models/gguf_file.py, gguf_weights.py, quant_linear.py):
 the kernels' packing against gguf-py's dequantizer; the default model's layers all packed, their
 weights equal to the dequantized checkpoint's; greedy output and next-token distributions close
 to the dequantized model's; tiny GGUFs written as llama.cpp writes them equal HF's logits; bad
@@ -21,24 +21,24 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from benchmarks.quant_quality import kl_and_top1, prompt_logits
-from engine.engine_args import EngineArgs
-from engine.executor import create_executor
-from engine.model_runner import ModelRunner
-from engine.scheduler_output import SeqInput, StepInput
-from engine.models import decoder_stack
-from engine.models.gguf_file import GGUFError
-from engine.models.gguf_weights import unpermute_rows
-from engine.models.layers import ColumnParallelLinear, RowParallelLinear
-from engine.models.loader import convert_gguf, default_gguf_path
-from engine.models.quant_linear import (
+from engine.core.sampling_params import SamplingParams
+from engine.core.step import SeqInput, StepInput
+from engine.loop.engine_args import EngineArgs
+from engine.worker.executor import create_executor
+from engine.worker.model_runner import ModelRunner
+from engine.worker.models import decoder_stack
+from engine.worker.models.gguf_file import GGUFError
+from engine.worker.models.gguf_weights import unpermute_rows
+from engine.worker.models.layers import ColumnParallelLinear, RowParallelLinear
+from engine.worker.models.loader import convert_gguf, default_gguf_path
+from engine.worker.models.quant_linear import (
     QuantEmbedding,
     QuantLinear,
     QuantLMHead,
     describe_footprint,
     weight_footprint,
 )
-from engine.models.quant_ops import BLOCK, qops
-from engine.sampling_params import SamplingParams
+from engine.worker.models.quant_ops import BLOCK, qops
 from server.cli import parse_args
 from tests.engine.prompts import MORE_TEXT, TEXT
 from tests.engine.tiny_gguf import gguf_dequantized, llama_cpp_permute, tiny_hf_model, write_gguf
@@ -348,7 +348,7 @@ def test_tensor_parallelism_refuses_quantized_weights_before_starting_workers(tm
 def test_k_quant_rows_not_whole_blocks_fall_back_to_q8_0_and_are_counted():
     from collections import Counter
 
-    from engine.models.quantize import quantize_to
+    from engine.worker.models.quantize import quantize_to
 
     fallbacks = Counter()
     narrow = quantize_to(torch.randn(64, 576), "q4_k", fallbacks)  # 576 = 2.25 blocks of 256

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models import linear_kernel
-from engine.models.layers import FUSED_MODULES
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.worker.models import linear_kernel
+from engine.worker.models.layers import FUSED_MODULES
 
 NEAR_TIE = 1e-4
 # NOTE: CI runs each block size once (alone: 16; batched: 1, 16 and 32), each linear kernel

@@ -1,12 +1,12 @@
-"""What the dashboard reads (engine/kv_view.py) on the tiny dummy model: one request's block
+"""What the dashboard reads (engine/kv/kv_view.py) on the tiny dummy model: one request's block
 tables, the list of requests holding blocks, and the event log of copy-on-writes and
 preemptions. The tables are checked against the block manager's own state."""
 
 from __future__ import annotations
 
-from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.loop.engine_args import EngineArgs
+from engine.loop.llm_engine import LLMEngine
 
 BS = 16
 PROMPT = [(5 * k) % 900 + 3 for k in range(40)]  # two full blocks and a partial third

@@ -20,12 +20,12 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.persistent_batch import PersistentBatch
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import SequenceGroup, SequenceStatus
+from engine.core.config import SchedulerConfig
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import SequenceGroup, SequenceStatus
+from engine.kv.block_manager import BlockManager
+from engine.sched.scheduler import Scheduler
+from engine.worker.persistent_batch import PersistentBatch
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Req:
     best_of: int
     beam: bool
     prefix: int  # how many leading tokens come from the shared base prompt (prefix caching)
-    prompt_logprobs: bool = False  # scored chunk by chunk (engine/prompt_logprobs.py)
+    prompt_logprobs: bool = False  # scored chunk by chunk (engine/sample/prompt_logprobs.py)
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class World:
     # the step-time target (target_itl_ms, target_ttft_ms in steps of the test's clock, where a
     # step "takes" 1 + D/10 + P/4 ms): None, or a cap that is often down to its floor
     cap: tuple[float, float | None] | None = None
-    policy: str = "fcfs"  # the scheduling policy (engine/admission_order.py)
+    policy: str = "fcfs"  # the scheduling policy (engine/sched/admission_order.py)
 
 
 def admissible(w: World, r: Req) -> bool:
@@ -119,7 +119,7 @@ def step(sched: Scheduler, rng: random.Random, w: World, batch: PersistentBatch)
         assert s.block_table == bm.block_table(s.seq)
         g = s.group
         if s.is_prefill and g.prompt_logprobs_pending and s.seq is g.seqs[0]:
-            # what engine/prompt_logprobs.py gathers: this chunk's rows score the positions after
+            # what engine/sample/prompt_logprobs.py gathers: this chunk's rows score the positions after
             # them; none may be left unscored before the chunk (prefix hits stop short of them)
             so_far, start, prompt = g.prompt_logprobs_so_far, s.start, g.prompt_token_ids
             assert start < len(so_far), (g.request_id, start, len(so_far))
@@ -159,7 +159,7 @@ def step(sched: Scheduler, rng: random.Random, w: World, batch: PersistentBatch)
 
 
 def beam_step(g: SequenceGroup, seqs: list, bm: BlockManager, rng: random.Random) -> None:
-    """What engine/beam_search.py does to a request's sequences: k next beams from random
+    """What engine/sample/beam_search.py does to a request's sequences: k next beams from random
     parents (a parent's first child continues it, others fork it), unchosen parents dropped."""
     assert sorted(s.seq_id for s in seqs) == sorted(s.seq_id for s in g.unfinished_seqs), "beams not together"
     g.beam_state = g.beam_state or object()
@@ -293,8 +293,8 @@ def test_engine_finishes_random_workloads_on_a_small_pool(chunked, prefix, mode,
     """The engine itself (tiny dummy model): n / best_of / beams up to max_num_seqs, prompts
     sharing prefixes, arrivals over time; every request ends with its full output within the
     bound, and the pool is free at the end."""
-    from engine.engine_args import EngineArgs
-    from engine.llm_engine import LLMEngine
+    from engine.loop.engine_args import EngineArgs
+    from engine.loop.llm_engine import LLMEngine
 
     max_len, seqs = gpu * bs, 6
     args = EngineArgs(model="tiny-4kv", load_format="dummy", max_model_len=min(max_len, 64), block_size=bs,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine_args import EngineArgs
-from engine.models.loader import resolve_model
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.loop.engine_args import EngineArgs
+from engine.worker.models.loader import resolve_model
 
 
 def test_gguf_conversion_is_cached_as_an_hf_directory(model_dir):
@@ -38,7 +38,7 @@ def test_llama3_8b_shaped_config_builds_without_weights():
 
 
 def test_dummy_weights_generate_from_token_ids():
-    from engine.llm import LLM
+    from engine.loop.llm import LLM
 
     llm = LLM(model="smollm2-135m", load_format="dummy", max_model_len=256, kv_cache_memory="32MiB")
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]

@@ -1,4 +1,4 @@
-"""The default sizes of the KV and swap pools (engine/pool_sizing.py): the rule as a pure
+"""The default sizes of the KV and swap pools (engine/worker/pool_sizing.py): the rule as a pure
 function over table cases, the machine's memory as read from /proc and the cgroup tree (fake
 ones here), and an engine started without the flags getting its pools from the rule."""
 
@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from engine.pool_sizing import HEADROOM, MemoryReading, read_memory, size_pools
+from engine.worker.pool_sizing import HEADROOM, MemoryReading, read_memory, size_pools
 
 GiB, MiB = 1024**3, 1024**2
 # SmolLM2-135M in bf16: 2 x 30 layers x 3 KV heads x 64 x 16 tokens x 2 bytes
@@ -120,9 +120,9 @@ def test_read_memory_in_a_container_and_without_any_limit(tmp_path):
 
 
 def test_an_engine_started_without_the_flags_gets_its_pools_from_the_rule(caplog):
-    from engine.cache_engine import bytes_per_block
-    from engine.engine_args import EngineArgs
-    from engine.llm_engine import LLMEngine
+    from engine.loop.engine_args import EngineArgs
+    from engine.loop.llm_engine import LLMEngine
+    from engine.worker.cache_engine import bytes_per_block
 
     args = EngineArgs(model="tiny-4kv", load_format="dummy", device="cpu", dtype="float32", linear_kernel="torch",
                       max_model_len=512, max_num_seqs=8, seed=0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from tests.engine.prompts import prompt_of_length
 
 BLOCK = 16

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import scheduler_output
-from engine.sampling_params import SamplingParams
+from engine.core import step as scheduler_output
+from engine.core.sampling_params import SamplingParams
 from tests.engine.prompts import prompt_of_length
 
 TOL = 1e-3  # absolute, on logprobs in fp32

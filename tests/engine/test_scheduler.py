@@ -6,12 +6,12 @@ from collections import deque
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import SchedulerOutput
-from engine.sequence import SequenceGroup, SequenceStatus
+from engine.core.config import SchedulerConfig
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import SequenceGroup, SequenceStatus
+from engine.core.step import SchedulerOutput
+from engine.kv.block_manager import BlockManager
+from engine.sched.scheduler import Scheduler
 
 
 def make_scheduler(num_blocks=64, cpu_blocks=64, block_size=4, max_seqs=8, max_tokens=64,
@@ -270,7 +270,7 @@ def test_chunked_prefill_off_waits_for_the_whole_budget():
 
 
 def test_chunked_prefill_chunks_prompt_logprob_requests_like_any_other():
-    """Prompt logprobs are scored chunk by chunk (engine/prompt_logprobs.py): such a request's
+    """Prompt logprobs are scored chunk by chunk (engine/sample/prompt_logprobs.py): such a request's
     prompt takes what is left of the budget beside the decodes, as any prompt does."""
     sched = make_scheduler(block_size=4, max_tokens=32, chunked=True)
     sched.add(group("a", 5, max_tokens=3, t=0))

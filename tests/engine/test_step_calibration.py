@@ -1,4 +1,4 @@
-"""The start-up calibration of the step-time model (engine/step_calibration.py), on a real engine
+"""The start-up calibration of the step-time model (engine/loop/step_calibration.py), on a real engine
 (tiny dummy-weights model): the model answers afterwards, and nothing else of the calibration's
 requests is left (pool, prefix cache, totals, counters)."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.step_calibration import calibrate_step_cost
+from engine.core.sampling_params import SamplingParams
+from engine.loop.engine_args import EngineArgs
+from engine.loop.llm_engine import LLMEngine
+from engine.loop.step_calibration import calibrate_step_cost
 
 
 def engine(**kw) -> LLMEngine:

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.scheduler import Scheduler
-from engine.step_cost import StepCost
+from engine.core.config import SchedulerConfig
+from engine.kv.block_manager import BlockManager
+from engine.sched.scheduler import Scheduler
+from engine.sched.step_cost import StepCost
 from tests.engine.test_scheduler import fake_step, group
 
 # a step takes 10 ms + 1 ms per decode row + 0.5 ms per prefill token + 2 ms per 1,000 context tokens
@@ -56,7 +56,7 @@ def test_no_per_unit_cost_comes_out_negative():
     cost = StepCost()
     for step in steps:
         cost.observe(*step)
-    from engine.step_cost import _solve
+    from engine.sched.step_cost import _solve
     unconstrained = _solve(cost._xtx, cost._xty)
     assert unconstrained[3] < 0  # what the data alone say: context 'saves' time
     coef = cost.coefficients()
@@ -254,7 +254,7 @@ def test_the_decodes_the_queue_will_add_count_toward_half_the_target(queued, cut
     """Under an 18 ms half-target, 4 decodes (14.03 ms) alone would cut a prompt; 4 more
     requests still to prefill (30 tokens each) make 8 rows (18.27 ms), so nothing is cut. The count stops at
     max_num_seqs (8 here): 9 queued count as 4. Without the queue's rows a burst was held
-    under the half-target at 64 streams (engine/step_plan.py)."""
+    under the half-target at 64 streams (engine/sched/step_plan.py)."""
     sched, now = capped_scheduler(itl_ms=36.0, ttft_ms=None)
     decoding(sched, now)
     for i in range(queued):

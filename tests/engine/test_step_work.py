@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.outputs import OutputKind
-from engine.sampling_params import SamplingParams
+from engine.core.outputs import OutputKind
+from engine.core.sampling_params import SamplingParams
+from engine.loop.engine_args import EngineArgs
+from engine.loop.llm_engine import LLMEngine
 
 REPO = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 2000
@@ -75,9 +75,9 @@ def test_a_long_streamed_text_is_sliced_per_step_never_joined_whole(tokenizer):
     """With the real tokenizer, 2,000 streamed tokens (stop strings among them): each step's
     delta joins only the new pieces of text, never the whole text so far, and the deltas add up
     to the final text."""
-    from engine.output_processor import OutputProcessor
-    from engine.scheduler_output import SampleResult
-    from engine.sequence import SequenceGroup
+    from engine.core.sequence import SequenceGroup
+    from engine.core.step import SampleResult
+    from engine.loop.output_processor import OutputProcessor
 
     processor = OutputProcessor(tokenizer, tokenizer.eos_token_id, 4096)
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, stop=["never appears \u2603"])

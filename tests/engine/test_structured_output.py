@@ -11,9 +11,9 @@ import re
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.guided_decoding import GuidedDecoding
-from engine.structured_output import StructuredOutputCompiler, apply_grammar_masks
+from engine.core.guided_decoding import GuidedDecoding
+from engine.core.sampling_params import SamplingParams
+from engine.sample.structured_output import StructuredOutputCompiler, apply_grammar_masks
 
 BASE = {"block_size": 16}
 PERSON = {

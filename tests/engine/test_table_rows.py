@@ -9,7 +9,7 @@ from array import array
 
 import pytest
 
-from engine.table_rows import TableRows
+from engine.core.table_rows import TableRows
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -120,11 +120,11 @@ def test_opcheck_cache_ops():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_cache_engine_copy(device):
-    """engine.cache_engine.CacheEngine.copy: the pointer table built once at start-up serves
+    """engine.worker.cache_engine.CacheEngine.copy: the pointer table built once at start-up serves
     every copy-on-write call, in every layer; a block id outside the pool is refused first."""
     from types import SimpleNamespace
 
-    from engine.cache_engine import CacheEngine
+    from engine.worker.cache_engine import CacheEngine
 
     model = SimpleNamespace(num_layers=3, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     engine = CacheEngine(model, block_size=8, num_device_blocks=10, num_cpu_blocks=0, device=torch.device(device))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cuda_ext import ops
-from engine.models.linear_kernel import PanelWeight
+from engine.worker.models.linear_kernel import PanelWeight
 from tests.kernels.kernel_cases import require_compiled
 
 pytestmark = pytest.mark.skipif(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cuda_ext import ops, reference
-from engine.sampler import score_tokens
+from engine.sample.sampler import score_tokens
 from tests.kernels.kernel_cases import require_compiled
 
 INF = float("inf")

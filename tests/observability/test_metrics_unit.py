@@ -7,8 +7,8 @@ import threading
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.metrics import EngineStats
-from engine.outputs import RequestMetrics
+from engine.core.outputs import RequestMetrics
+from engine.loop.metrics import EngineStats
 from server.observability import METRIC_FAMILIES, Metrics
 
 MODEL = "test-model"

@@ -27,7 +27,7 @@ def tp_env(monkeypatch):
 @contextlib.contextmanager
 def tp_llm(**engine_args):
     """An `LLM` whose executor is shut down on the way out, whatever happened."""
-    from engine.llm import LLM
+    from engine.loop.llm import LLM
 
     llm = LLM(**engine_args)
     try:

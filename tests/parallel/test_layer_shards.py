@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import parallel
-from engine.models import layers
+from engine.worker import parallel
+from engine.worker.models import layers
 
 SIZES = [2, 3, 4]
 

@@ -1,4 +1,4 @@
-"""What the tensor-parallel driver sends each step (engine/persistent_batch.py), measured without
+"""What the tensor-parallel driver sends each step (engine/worker/persistent_batch.py), measured without
 starting a worker: the real Scheduler and BlockManager, a fake model step, and the message the
 executor broadcasts, pickled as `parallel.broadcast_object` pickles it.
 
@@ -11,8 +11,8 @@ import dataclasses
 import pickle
 import random
 
-from engine.model_runner import StepInput
-from engine.persistent_batch import PersistentBatch, for_workers
+from engine.worker.model_runner import StepInput
+from engine.worker.persistent_batch import PersistentBatch, for_workers
 from tests.engine.test_scheduler import complete, group, make_scheduler
 
 NUM_SEQS = 64

@@ -20,10 +20,10 @@ import time
 import pytest
 import torch.multiprocessing as mp
 
-from engine import scheduler_output
-from engine.executor import WorkerDiedError, _free_port
-from engine.scheduler_output import StepInput
-from engine.sampling_params import SamplingParams
+from engine.core import step as scheduler_output
+from engine.core.sampling_params import SamplingParams
+from engine.core.step import StepInput
+from engine.worker.executor import WorkerDiedError, _free_port
 from tests.engine.test_hf_equality import assert_matches
 from tests.parallel.conftest import top2_of, tp_llm
 
@@ -44,8 +44,8 @@ def compare(ours, reference, label: str) -> None:
 
 def test_step_input_is_lean_and_picklable():
     """What the driver sends each step: plain ids and tables, no Sequence (it holds detokenizers)."""
-    from engine.scheduler_output import ScheduledSeq, SchedulerOutput
-    from engine.sequence import Sequence
+    from engine.core.sequence import Sequence
+    from engine.core.step import ScheduledSeq, SchedulerOutput
 
     prefill, decode = Sequence(list(range(40))), Sequence([1, 2, 3])
     decode.output_token_ids = [7, 8]
@@ -66,7 +66,7 @@ def test_step_input_is_lean_and_picklable():
 
 def test_tp2_on_three_kv_heads_fails_clearly_at_start():
     """SmolLM2 has 3 KV heads: N=2 is refused before any worker starts."""
-    from engine.llm import LLM
+    from engine.loop.llm import LLM
 
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide this model's 3 KV heads.*Valid sizes.*1, 3"):
@@ -130,7 +130,7 @@ def test_smollm2_tp3_equals_single_process(tokenizer_ids):
     reference = single.generate(prompts, params)
     per_block_tp1 = single.engine.cache.bytes_per_block
     # NOTE: float32 and dense weights as get_llm's engine: dtype auto may take bf16 on this CPU,
-    # and quantized GGUF weights are not sharded over ranks (engine/config.py)
+    # and quantized GGUF weights are not sharded over ranks (engine/core/config.py)
     with tp_llm(max_model_len=2048, kv_cache_memory="64MiB", swap_space=0.02, enable_prefix_caching=False,
                 tensor_parallel_size=3, dtype="float32", quantization="none") as llm:
         assert llm.engine.cache.bytes_per_block * 3 == per_block_tp1  # one KV head of three per rank
@@ -140,8 +140,8 @@ def test_smollm2_tp3_equals_single_process(tokenizer_ids):
 
 @pytest.fixture(scope="module")
 def tokenizer_ids():
-    from engine.models.loader import resolve_model
-    from engine.tokenizer import load_tokenizer
+    from engine.loop.tokenizer import load_tokenizer
+    from engine.worker.models.loader import resolve_model
     from tests.engine.prompts import CASES, prompt_of_length
 
     tok = load_tokenizer(resolve_model(None)[0])
@@ -216,14 +216,14 @@ def test_hung_worker_fails_the_step_after_the_timeout(monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_worker_from_elsewhere_joins_through_env_rendezvous(monkeypatch):
-    """`python -m engine.worker` with MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK, as on another
+    """`python -m engine.worker.tp_worker` with MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK, as on another
     machine; the daemon starts no worker of its own (PAGED_SERVE_TP_LOCAL_WORKERS=0)."""
     port = str(_free_port())
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", port)
     monkeypatch.setenv("PAGED_SERVE_TP_LOCAL_WORKERS", "0")
     env = dict(os.environ, RANK="1", WORLD_SIZE="2", PAGED_SERVE_DEVICE="cpu")
-    worker = subprocess.Popen([sys.executable, "-m", "engine.worker"], env=env)
+    worker = subprocess.Popen([sys.executable, "-m", "engine.worker.tp_worker"], env=env)
     try:
         prompts = [[11, 12, 13, 14], [500] * 33]
         with tp_llm(**TINY) as llm:
@@ -241,5 +241,5 @@ def test_worker_from_elsewhere_joins_through_env_rendezvous(monkeypatch):
 
 def test_worker_entry_point_explains_missing_rendezvous_env():
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    res = subprocess.run([sys.executable, "-m", "engine.worker"], env=env, capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, "-m", "engine.worker.tp_worker"], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode != 0 and "MASTER_ADDR" in res.stderr

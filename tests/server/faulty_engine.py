@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import time
 
-from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
+from engine.loop.engine_args import EngineArgs
+from engine.loop.llm_engine import LLMEngine
 
 FAIL = "FAULT:FAIL"
 ERROR = "FAULT:ERROR"

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineDeadError, EngineState, QueueFullError, RequestFailedError
-from engine.engine_args import EngineArgs
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.loop.async_engine import AsyncEngine, EngineDeadError, EngineState, QueueFullError, RequestFailedError
+from engine.loop.engine_args import EngineArgs
 from tests.server.faulty_engine import FAIL, KILL, FaultyEngine
 
 

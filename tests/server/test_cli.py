@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine_args import CPU_CHUNKED_BUDGET, GPU_CHUNKED_BUDGET
+from engine.loop.engine_args import CPU_CHUNKED_BUDGET, GPU_CHUNKED_BUDGET
 from server.cli import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def test_chunked_prefill_is_on_by_default_and_the_flag_turns_it_off():
     default = parse_args(["--max-model-len", "2048"]).engine_args
     assert default.enable_chunked_prefill is True
     config = default.create_engine_config()
-    # the device's step budget (engine/config.py), below max_model_len
+    # the device's step budget (engine/core/config.py), below max_model_len
     budget = GPU_CHUNKED_BUDGET if config.device.type == "cuda" else CPU_CHUNKED_BUDGET
     assert (config.scheduler.enable_chunked_prefill, config.scheduler.max_num_batched_tokens) == (True, budget)
     off = parse_args(["--max-model-len", "2048", "--no-enable-chunked-prefill"]).engine_args
@@ -114,6 +114,6 @@ def test_scheduling_policy_flag_reaches_the_scheduler_and_bad_values_are_refused
     assert sched.scheduling_policy == "fcfs"
     with pytest.raises(SystemExit):
         parse_args(["--scheduling-policy", "random"])
-    from engine.engine_args import EngineArgs
+    from engine.loop.engine_args import EngineArgs
     with pytest.raises(ValueError, match="scheduling_policy"):
         EngineArgs(model="tiny-4kv", load_format="dummy", scheduling_policy="lifo").create_engine_config()

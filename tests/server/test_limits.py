@@ -20,7 +20,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.async_engine import EngineDeadError, RequestFailedError
+from engine.loop.async_engine import EngineDeadError, RequestFailedError
 from server.app import create_app
 from server.cli import parse_args
 from server.errors import OpenAIError, from_engine_error

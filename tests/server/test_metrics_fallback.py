@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.metrics import EngineStats
+from engine.loop.metrics import EngineStats
 from server.app import make_metrics
 from server.metrics_fallback import FallbackMetrics
 

@@ -94,8 +94,8 @@ def test_greedy_same_across_paths(url, client, model, greedy):
 def test_greedy_equals_offline_engine(greedy):
     import torch
 
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
+    from engine.loop.llm import LLM
 
     torch.set_num_threads(1)  # as the server runs in these tests (see conftest)
 
@@ -200,8 +200,8 @@ def test_beam_search_equals_offline_engine(client, model):
     """vLLM's extra fields reach the engine's beam search; HTTP and offline agree."""
     import torch
 
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
+    from engine.loop.llm import LLM
 
     extra = {"use_beam_search": True, "length_penalty": 0.8, "early_stopping": True}
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, n=2, best_of=3,

@@ -10,9 +10,9 @@ import json
 import httpx
 import pytest
 
-from engine.guided_decoding import GuidedDecoding
-from engine.structured_output import validate
-from engine.tokenizer import apply_chat_template
+from engine.core.guided_decoding import GuidedDecoding
+from engine.loop.tokenizer import apply_chat_template
+from engine.sample.structured_output import validate
 from server.errors import OpenAIError
 from server.input_processor import InputProcessor
 from server.protocol import ChatCompletionRequest
@@ -165,8 +165,8 @@ def test_prompt_block_and_text_messages():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engine.models.loader import resolve_model
-    from engine.tokenizer import load_tokenizer
+    from engine.loop.tokenizer import load_tokenizer
+    from engine.worker.models.loader import resolve_model
     return load_tokenizer(resolve_model(None)[0])
 
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from tests.server.conftest import FAULTY, start_server
 from tests.server.faulty_engine import HANG, HANG_S, STUCK
 from tests.server.support import post

@@ -1,4 +1,4 @@
-"""The admission pipeline's engine half (engine/admission.py, engine/request_checks.py,
+"""The admission pipeline's engine half (engine/core/admission.py, engine/loop/request_checks.py,
 SamplingParams): each limit raises a `RequestError` naming OpenAI's `param` (and `code`), the
 final max_tokens is decided once, and each message is defined in one place."""
 
@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.admission import AdmissionLimits, EngineRequest, admit, final_max_tokens
-from engine.block_manager import BlockManager
-from engine.request_checks import check_fits
-from engine.request_error import CONTEXT_LENGTH_EXCEEDED, RequestError
-from engine.sampling_params import SamplingParams
-from engine.guided_decoding import GuidedDecoding
+from engine.core.admission import AdmissionLimits, EngineRequest, admit, final_max_tokens
+from engine.core.guided_decoding import GuidedDecoding
+from engine.core.request_error import CONTEXT_LENGTH_EXCEEDED, RequestError
+from engine.core.sampling_params import SamplingParams
+from engine.kv.block_manager import BlockManager
+from engine.loop.request_checks import check_fits
 from server.errors import from_request_error
 
 LIMITS = AdmissionLimits(vocab_size=100, max_model_len=32)

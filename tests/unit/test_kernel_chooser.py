@@ -1,4 +1,4 @@
-"""The kernel chooser (engine/models/kernel_chooser.py) with fake kernels on a fake clock: the
+"""The kernel chooser (engine/worker/models/kernel_chooser.py) with fake kernels on a fake clock: the
 margin rule (decisions counted, nothing timed for real), interleaved repetitions and medians,
 and the cache: a second choice reuses the first without running or timing anything, a corrupt
 or foreign file is ignored with a warning and measured again, another key measures again."""
@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from engine.models.kernel_chooser import KernelChooser, Workload, cpu_identity, decide
+from engine.worker.models.kernel_chooser import KernelChooser, Workload, cpu_identity, decide
 
 
 class FakeClock:

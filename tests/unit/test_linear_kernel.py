@@ -1,4 +1,4 @@
-"""The linear layers' kernel choice (engine/models/linear_kernel.py): oneDNN over packed weights
+"""The linear layers' kernel choice (engine/worker/models/linear_kernel.py): oneDNN over packed weights
 computes what F.linear computes, packing releases the dense copies it replaces (not a tied
 LM head's), the settings are validated, `auto` measures the kernels on the model's shapes once
 and then reuses its recorded choice (the rule itself: test_kernel_chooser.py), and `--dtype
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models import linear_kernel
-from engine.models.kernel_chooser import KernelChooser
-from engine.models.layers import (
+from engine.worker.models import linear_kernel
+from engine.worker.models.kernel_chooser import KernelChooser
+from engine.worker.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -190,7 +190,7 @@ def test_the_probe_weights_each_shape_by_its_layers_and_rotates_bounded_weight_c
 
 
 def test_engine_args_reject_an_unknown_kernel():
-    from engine.engine_args import EngineArgs
+    from engine.loop.engine_args import EngineArgs
 
     with pytest.raises(ValueError, match="linear_kernel"):
         EngineArgs(model="tiny-4kv", load_format="dummy", linear_kernel="blas").create_engine_config()
@@ -208,8 +208,8 @@ def test_probing_leaves_the_global_rng_alone(choice_cache):
 
 def meta_model(name: str | None):
     """The model `name` (None: the default) on the meta device, as EngineArgs probes it."""
-    from engine.models.llama import model_class
-    from engine.models.loader import load_hf_config, resolve_model
+    from engine.worker.models.llama import model_class
+    from engine.worker.models.loader import load_hf_config, resolve_model
 
     config = load_hf_config(resolve_model(name, "dummy")[0])
     with torch.device("meta"):
@@ -242,7 +242,7 @@ def test_auto_dtype_is_float32_without_native_bf16(monkeypatch):
 def test_auto_dtype_probes_this_cpu_and_engine_args_follow_it():
     """The real probe on this machine: bf16 only where oneDNN packs it; EngineArgs' auto is that
     choice on a CPU, and an explicit dtype is kept."""
-    from engine.engine_args import EngineArgs
+    from engine.loop.engine_args import EngineArgs
 
     auto = EngineArgs(model="tiny-4kv", load_format="dummy", device="cpu").create_engine_config().model.dtype
     assert auto == linear_kernel.choose_cpu_dtype(meta_model("tiny-4kv"))[0]

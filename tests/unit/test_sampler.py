@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.random_sampling import sampling_probs
-from engine.sampler import Sampler, SamplingRow, score_tokens, top_candidates
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.sample.random_draw import sampling_probs
+from engine.sample.sampler import Sampler, SamplingRow, score_tokens, top_candidates
 
 VOCAB = 64
 
@@ -426,7 +426,7 @@ def test_temperature_and_top_p_rows_take_the_fused_draw_and_others_the_torch_pat
     """Plain rows (temperature / top-p) are drawn by the compiled op, top-k / min-p rows by the
     torch path, in one mixed batch; every token is one its row allows."""
     from cuda_ext import ops
-    from engine import random_sampling
+    from engine.sample import random_draw as random_sampling
 
     if not ops.draw_tokens_compiled(torch.zeros(1, 1)):
         pytest.skip("the compiled ops are not loaded")

@@ -13,9 +13,9 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from engine.random_sampling import sampling_probs
-from engine.sampler import Sampler, SamplingRow, needs_scores
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.sample.random_draw import sampling_probs
+from engine.sample.sampler import Sampler, SamplingRow, needs_scores
 
 INF, NAN = float("inf"), float("nan")
 FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -142,7 +142,7 @@ def test_extreme_but_meaningful_values_are_accepted():
 @given(seed=st.sampled_from([0, 1, -1, 42, 2**32, 2**63 - 1, -(2**63)]) | st.integers(-(2**63), 2**63 - 1),
        index=st.sampled_from([0, 1, 2, 16, 2**63, 2**64, 2**70, -1, -(2**64)]) | st.integers(0, 64))
 def test_derive_seed_is_always_accepted_by_manual_seed(seed, index):
-    from engine.sampling_params import derive_seed
+    from engine.core.sampling_params import derive_seed
 
     s = derive_seed(seed, index)
     torch.Generator().manual_seed(s)  # never raises
@@ -176,7 +176,7 @@ def check_probs(probs: torch.Tensor) -> None:
 def test_sampler_with_extreme_params(source, vocab, data_seed, scale, neg_inf, masked, prompt, output, index):
     """A valid token, never a masked one unless all are, a finite logprob unless the raw model
     said -inf, and clean probabilities to draw from."""
-    from engine.sampling_params import derive_seed
+    from engine.core.sampling_params import derive_seed
 
     valid, kwargs = source
     p = build(kwargs)
@@ -265,7 +265,7 @@ def old_normalized(score: float, length: int, length_penalty: float) -> float:
     length_penalty=st.sampled_from([0.0, 1.0, -1.0, 0.6, 2.0, 5e-324, 1e3, -1e3, 1e308, -1e308, 1e-300]),
 )
 def test_normalized_never_raises_nor_returns_nan(score, length, length_penalty):
-    from engine.beam_search import _normalized
+    from engine.sample.beam_search import _normalized
 
     out = _normalized(score, length, length_penalty)
     assert not math.isnan(out)
@@ -308,7 +308,7 @@ def choose(candidates, stop_ids: set[int], k: int, ends_by_length: bool):
     ends_by_length=st.booleans(),
 )
 def test_beam_candidates_equal_the_old_rule(seed, k, vocab, num_stop, neg_inf, scale, ends_by_length):
-    from engine.beam_search import select_candidates
+    from engine.sample.beam_search import select_candidates
 
     gen = torch.Generator().manual_seed(seed)
     rows = int(torch.randint(1, k + 1, (1,), generator=gen))
@@ -336,7 +336,7 @@ def test_beam_candidates_equal_the_old_rule(seed, k, vocab, num_stop, neg_inf, s
 
 
 def test_beam_candidate_work_does_not_grow_with_stop_ids(monkeypatch):
-    from engine.beam_search import select_candidates
+    from engine.sample.beam_search import select_candidates
 
     k, vocab = 4, 8000
     scores = torch.log_softmax(torch.randn(k, vocab, generator=torch.Generator().manual_seed(0)), dim=-1)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.random_sampling import _block_width, _invert, _mass_above, argmax_rows
+from engine.sample.random_draw import _block_width, _invert, _mass_above, argmax_rows
 
 
 def reference_invert(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

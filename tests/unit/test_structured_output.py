@@ -10,14 +10,14 @@ import re
 import pytest
 import torch
 
-from engine.guided_decoding import GuidedDecoding
-from engine.structured_output import (
+from engine.core.guided_decoding import GuidedDecoding
+from engine.loop.tokenizer import load_tokenizer
+from engine.sample.structured_output import (
     GrammarCache,
     StructuredOutputCompiler,
     apply_grammar_masks,
     entry_bytes,
 )
-from engine.tokenizer import load_tokenizer
 
 VOCAB = 49152
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, decode_token, load_tokenizer
+from engine.loop.tokenizer import IncrementalDetokenizer, apply_chat_template, decode_token, load_tokenizer
 
 REPLACEMENT = "\ufffd"
 TEXTS = [
@@ -28,7 +28,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def tokenizer():
     try:
-        from engine.models.loader import resolve_model
+        from engine.worker.models.loader import resolve_model
     except ImportError:
         resolve_model = None
     if resolve_model is not None:

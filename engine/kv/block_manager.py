@@ -1,0 +1,406 @@
+"""Per-sequence block tables over two `BlockPool`s: the device pool (where attention reads K/V)
+and the CPU swap pool. Allocation on demand, copy-on-write, prefix-cache hashes and the device
+<-> CPU swap maps. Pure Python bookkeeping, no tensors. The only writer of the KV state: the
+tables and each sequence's `SeqKv` record (engine/kv/seq_kv.py: tokens computed, block hashes, the
+sibling whose blocks it shares; made at admission or its first prefix-cache lookup, dropped by
+`free`). Only the scheduler calls the methods that change it; others read it through the small
+read-only ones (`block_table`, `num_computed_tokens`, `usage`, `describe_table`, `block_states`).
+
+A sequence's table lives in exactly one pool (device while it runs, CPU while swapped) and is an
+`array('i')` of block ids (`BlockTable`): `block_table` hands out that array itself (no copy),
+valid until the next call here. "Does not fit" is a return value (`plan(...).status`, the
+`can_*` methods), never an exception.
+
+Prefix caching: engine/kv/prefix_cache.py, over each sequence's chain of full-block hashes.
+
+The device tables are mirrored in `rows` (engine/core/table_rows.py), the matrix the attention
+metadata selects the decodes' tables from: tables enter and leave through `_put_table` and
+`_pop_table`, and their entries change only in `append_slot`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.core.table_rows import BlockTable, TableRows, new_table
+from engine.kv.block_pool import Block, BlockPool
+from engine.kv.kv_invariants import check_invariants
+from engine.kv.kv_usage import KvUsage
+from engine.kv.prefix_cache import PrefixCache
+from engine.kv.seq_kv import SeqKv
+
+__all__ = ["AdmissionPlan", "AllocStatus", "Block", "BlockManager", "BlockPool", "BlockTable", "KvUsage", "new_table"]
+
+class AllocStatus(enum.Enum):
+    OK = "ok"  # fits now
+    LATER = "later"  # fits once other sequences free blocks
+    NEVER = "never"  # larger than the whole pool
+
+
+@dataclass
+class AdmissionPlan:
+    """What admitting some of a group's waiting sequences takes, computed once by `plan` and
+    carried out by `allocate` (valid while no device block is allocated in between)."""
+
+    status: AllocStatus
+    seqs: list[Sequence]
+    hits: list[Block] = field(default_factory=list)  # the first sequence's leading cached blocks
+    num_reused: int = 0  # how many of `hits` it reuses (it computes at least its last token)
+    num_shared: int = 0  # full prompt blocks the other sequences share with the first
+    num_free_needed: int = 0  # blocks taken from the free pool (free or evictable cached)
+    num_new_tokens: int = 0  # tokens computed at admission (the uncached tails)
+
+
+class BlockManager:
+    def __init__(self, num_device_blocks: int, num_cpu_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = False, reserve_tokens: int | None = None, watermark_blocks: int = 0):
+        """`reserve_tokens`: when set, each sequence gets blocks for that many tokens at admission
+        (the contiguous-reservation baseline, for the KV waste study) instead of on demand."""
+        self.block_size = block_size
+        self.device = BlockPool(num_device_blocks)
+        self.cpu = BlockPool(num_cpu_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.reserve_tokens = reserve_tokens
+        self.watermark_blocks = watermark_blocks
+        self.tables: dict[int, BlockTable] = {}  # seq_id -> device block ids
+        self.cpu_tables: dict[int, BlockTable] = {}  # seq_id -> swap-pool block ids
+        self.rows = TableRows()  # `tables` as the rows of one matrix
+        self.prefix = PrefixCache(self.device, block_size, enable_prefix_caching)
+        self.kv: dict[int, SeqKv] = {}  # seq_id -> its record (engine/kv/seq_kv.py)
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0
+
+    # ---------------------------------------------------------------- queries
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, seq: Sequence) -> BlockTable:
+        """The sequence's device block ids: the live array (do not modify it)."""
+        return self.tables[seq.seq_id]
+
+    def num_computed_tokens(self, seq: Sequence) -> int:
+        """The sequence's leading tokens whose K/V are in the cache (0 if it holds no blocks)."""
+        kv = self.kv.get(seq.seq_id)
+        return kv.num_computed_tokens if kv is not None else 0
+
+    def num_uncomputed_tokens(self, seq: Sequence) -> int:
+        return len(seq) - self.num_computed_tokens(seq)
+
+    def pending_share(self, seq: Sequence) -> tuple[Sequence, int] | None:
+        """(the sibling, the tokens) while `seq` shares prompt blocks that a sibling admitted
+        with it has yet to compute (`SeqKv.waits_for`); None once computed, or if it shares none."""
+        kv = self.kv.get(seq.seq_id)
+        wait = kv.waits_for if kv is not None else None
+        if wait is None or wait[1].num_computed_tokens >= wait[2]:
+            return None
+        return wait[0], wait[2]
+
+    def blocks_to_hold(self, num_tokens: int) -> int:
+        """Device blocks a sequence of `num_tokens` tokens holds at admission."""
+        return self.num_blocks_for(max(num_tokens, self.reserve_tokens or 0))
+
+    def describe_table(self, seq: Sequence) -> tuple[str | None, list[int], list[int]]:
+        """(pool: "device", "cpu" or None, its block ids, their ref counts): a copy, for views."""
+        for name, pool, tables in (("device", self.device, self.tables), ("cpu", self.cpu, self.cpu_tables)):
+            if seq.seq_id in tables:
+                table = tables[seq.seq_id]
+                return name, list(table), [pool.blocks[i].ref_count for i in table]
+        return None, [], []
+
+    def num_slots(self, seq: Sequence) -> int:
+        """Token slots of the sequence's device blocks (0 if it has none there)."""
+        return len(self.tables.get(seq.seq_id, ())) * self.block_size
+
+    def take_table_changes(self) -> list[tuple]:
+        """The device tables' changes since the last call (`TableRows.take_changes`)."""
+        return self.rows.take_changes()
+
+    @property
+    def num_free_device_blocks(self) -> int:
+        return self.device.num_free
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu.num_free
+
+    # ---------------------------------------------------------------- admission
+    def _num_shared_prompt_blocks(self, group: SequenceGroup, seqs: list[Sequence]) -> int:
+        """Full prompt blocks that sequences admitted together share (the samples of one prompt
+        being recomputed): each still computes at least its last token itself."""
+        if len(seqs) < 2:
+            return 0
+        return min([len(group.prompt_token_ids) // self.block_size] + [(len(s) - 1) // self.block_size for s in seqs])
+
+    def _kv(self, seq: Sequence) -> SeqKv:
+        kv = self.kv.get(seq.seq_id)
+        if kv is None:
+            kv = self.kv[seq.seq_id] = SeqKv()
+        return kv
+
+    def plan(self, group: SequenceGroup, seqs: list[Sequence] | None = None, reserve: int = 0) -> AdmissionPlan:
+        """What admitting `seqs` (default: the group's waiting sequences) now takes, and whether
+        it fits leaving `reserve` blocks free. Prefix-cache hits on blocks that are in use
+        (live) take no free block. Mutates nothing but the first sequence's hash chain (its
+        record is made here if it has none: the chain is kept for its admission)."""
+        seqs = group.seqs_with_status(SequenceStatus.WAITING) if seqs is None else seqs
+        plan = AdmissionPlan(AllocStatus.OK, seqs, num_shared=self._num_shared_prompt_blocks(group, seqs))
+        num_blocks = 0
+        for idx, seq in enumerate(seqs):
+            n_blocks = self.blocks_to_hold(len(seq))
+            if idx == 0:
+                plan.hits = self.prefix.hits(group, seq, self._kv(seq))
+                # NOTE: keep at least one token to compute, so the step yields logits.
+                plan.num_reused = reused = min(len(plan.hits), (len(seq) - 1) // self.block_size)
+                live = sum(1 for b in plan.hits[:reused] if b.ref_count > 0)  # claimed, not taken
+            elif plan.num_shared:
+                reused = live = plan.num_shared  # references on the first sequence's blocks
+            else:
+                # NOTE: the first sequence's allocation may evict what this one would find now,
+                # so count no hits: an upper bound on its blocks and tokens.
+                reused = live = 0
+            num_blocks += n_blocks - (reused if idx > 0 else 0)
+            plan.num_free_needed += n_blocks - live
+            plan.num_new_tokens += len(seq) - reused * self.block_size
+        if num_blocks > self.device.num_blocks - self.watermark_blocks:
+            plan.status = AllocStatus.NEVER
+        elif plan.num_free_needed + reserve > self.device.num_free - self.watermark_blocks:
+            plan.status = AllocStatus.LATER
+        return plan
+
+    def can_allocate(self, group: SequenceGroup, seqs: list[Sequence] | None = None, reserve: int = 0) -> AllocStatus:
+        return self.plan(group, seqs, reserve).status
+
+    def num_tokens_to_compute(self, group: SequenceGroup, seqs: list[Sequence] | None = None) -> int:
+        """Tokens `seqs` would compute if allocated now (after `allocate`, the sum of their
+        `num_uncomputed_tokens`, at most this). Mutates nothing."""
+        return self.plan(group, seqs).num_new_tokens
+
+    def allocate(self, group: SequenceGroup, seqs: list[Sequence] | None = None, register: bool = True,
+                 plan: AdmissionPlan | None = None) -> None:
+        """Carry out `plan` (default: plan `seqs` now; its status must be OK): give each
+        sequence a block table covering its tokens, reusing cached prefix blocks, and set
+        `num_computed_tokens` to the reused length. Sequences admitted together share the first
+        one's full prompt blocks and wait for it to compute them (`pending_share`). `register`: publish the new full
+        blocks' hashes now, as the step computes all of them; False when it may compute only
+        part of them, whose blocks are registered once computed (`register_full_blocks`)."""
+        plan = plan or self.plan(group, seqs)
+        assert plan.status is AllocStatus.OK
+        pool, bs, first = self.device, self.block_size, []
+        for idx, seq in enumerate(plan.seqs):
+            assert seq.seq_id not in self.tables
+            table, kv = new_table(), self._kv(seq)
+            kv.waits_for = None
+            if idx > 0 and plan.num_shared:
+                kv.waits_for = (plan.seqs[0], self.kv[plan.seqs[0].seq_id], plan.num_shared * bs)
+            if idx > 0 and plan.num_shared:
+                # NOTE: the first sequence computes these blocks in this same step; every layer
+                # writes all K/V of the step before attending, so the others can read them.
+                table = first[: plan.num_shared]
+                for i in table:
+                    pool.ref(pool.blocks[i])
+            elif idx == 0 and self.prefix.cacheable_blocks(group, seq):
+                self.prefix_queries += len(seq)
+                for b in plan.hits:
+                    assert b.hash is not None, "a planned hit was evicted"
+                    pool.ref(b)
+                table = new_table(b.block_id for b in plan.hits[: plan.num_reused])
+                for b in plan.hits[plan.num_reused:]:  # all of it cached: the last block is recomputed
+                    pool.release(b)  # (if unreferenced, it is cached again, most recent)
+                self.prefix_hits += len(table) * bs
+            kv.num_registered_blocks = len(table)  # reused blocks are registered already
+            kv.num_computed_tokens = len(table) * bs
+            while len(table) < self.blocks_to_hold(len(seq)):
+                table.append(pool.allocate().block_id)
+            self._put_table(self.tables, seq.seq_id, table)
+            if idx == 0:
+                first = table
+            if register:
+                self.prefix.publish(seq, kv, table, group.params.cache_salt, len(seq) // bs)
+
+    def mark_computed(self, seq: Sequence, num_tokens: int, salt: str | None) -> None:
+        """A step computed the sequence's next `num_tokens` tokens: advance `num_computed_tokens`
+        and, with prefix caching, publish its newly full blocks (of its prompt or of generated
+        text: chat history can be reused by later requests too). It no longer waits for a
+        sibling (that one computed the shared blocks in this step at the latest)."""
+        kv = self.kv[seq.seq_id]
+        kv.num_computed_tokens += num_tokens
+        kv.waits_for = None
+        n = kv.num_computed_tokens // self.block_size
+        if self.enable_prefix_caching and n > kv.num_registered_blocks:  # NOTE: per step, for every sequence
+            self.prefix.publish(seq, kv, self.tables[seq.seq_id], salt, n)
+
+    # ---------------------------------------------------------------- decoding
+    def _num_append_blocks(self, seqs: list[Sequence], tables: dict[int, BlockTable], pool: BlockPool,
+                           refs=None) -> int:
+        """Free blocks that `append_slot` on each of `seqs` in turn would take: one for each
+        sequence whose last block is full, and a copy for each writer into a shared last block
+        except the last writer when no one else holds it. `refs(block id)` gives the reference
+        count to use (default: the block's own)."""
+        refs = refs or (lambda i: pool.blocks[i].ref_count)
+        need = 0
+        writers: dict[int, int] = {}  # shared last block id -> writers
+        for s in seqs:
+            table = tables[s.seq_id]
+            if len(table) * self.block_size < len(s):
+                need += 1
+                continue
+            last = table[self.num_blocks_for(len(s)) - 1]
+            if refs(last) > 1:
+                writers[last] = writers.get(last, 0) + 1
+        for block_id, m in writers.items():
+            need += m if refs(block_id) > m else m - 1
+        return need
+
+    def num_append_blocks(self, seqs: list[Sequence]) -> int:
+        """Free device blocks that giving each of `seqs` (running) a slot for its next token takes."""
+        return self._num_append_blocks(seqs, self.tables, self.device)
+
+    def can_append_slots(self, group: SequenceGroup) -> bool:
+        """Whether every running sequence of the group can get a slot for its next token."""
+        return self.num_append_blocks(group.seqs_with_status(SequenceStatus.RUNNING)) <= self.device.num_free
+
+    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
+        """Make sure the slot of the sequence's last token exists and is private.
+        Returns a (src, dst) copy-on-write pair when a shared block had to be copied."""
+        table, pool, n = self.tables[seq.seq_id], self.device, len(seq)
+        if len(table) * self.block_size < n:
+            table.append(pool.allocate().block_id)
+            self.rows.set(seq.seq_id, len(table) - 1, table[-1])
+            return None
+        idx = (n - 1) // self.block_size  # the last token's block
+        last = pool.blocks[table[idx]]
+        if last.ref_count == 1:
+            return None
+        new = pool.allocate()
+        table[idx] = new.block_id
+        self.rows.set(seq.seq_id, idx, new.block_id)
+        pool.release(last)
+        return last.block_id, new.block_id
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child (same tokens so far) shares all of the parent's blocks (ref counts go up;
+        nothing is copied) and starts from its record: computed tokens, hashes."""
+        table, kv = self.tables[parent.seq_id], self.kv[parent.seq_id]
+        for i in table:
+            self.device.ref(self.device.blocks[i])
+        self._put_table(self.tables, child.seq_id, table[:])
+        self.kv[child.seq_id] = SeqKv(kv.num_computed_tokens, list(kv.block_hashes), kv.num_registered_blocks)
+
+    def free(self, seq: Sequence) -> None:
+        """Forget the sequence (finished, dropped, aborted): drop its references, device or swap
+        pool, and its record. A no-op if it holds none."""
+        self._release(seq)
+        self.kv.pop(seq.seq_id, None)
+
+    def free_to_recompute(self, seq: Sequence) -> None:
+        """Drop the sequence's references (preempted or parked: it is computed again from its
+        tokens): `num_computed_tokens` 0, no sibling to wait for; its hash chain is kept (the
+        same tokens hash the same)."""
+        self._release(seq)
+        kv = self.kv.get(seq.seq_id)
+        if kv is not None:
+            kv.num_computed_tokens = kv.num_registered_blocks = 0
+            kv.waits_for = None
+
+    def _release(self, seq: Sequence) -> None:
+        for pool, tables in ((self.device, self.tables), (self.cpu, self.cpu_tables)):
+            for i in reversed(self._pop_table(tables, seq.seq_id)):
+                pool.release(pool.blocks[i])
+
+    # ---------------------------------------------------------------- swapping
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        seqs = group.seqs_with_status(SequenceStatus.RUNNING)
+        return len({i for s in seqs for i in self.tables[s.seq_id]}) <= self.cpu.num_free
+
+    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's running sequences to the swap pool; a block shared inside the group
+        is copied once and stays shared. Returns (device block, cpu block) pairs to copy."""
+        return self._move(group, SequenceStatus.RUNNING, self.tables, self.device, self.cpu_tables, self.cpu)
+
+    def _swap_in_need(self, seqs: list[Sequence], tables: dict[int, BlockTable], pool: BlockPool) -> int:
+        """Device blocks `seqs` take once swapped in and given their next slots: one per distinct
+        block of their tables, plus `_num_append_blocks` with the sharing inside the group only
+        (swapping copies a block shared with other requests)."""
+        local: dict[int, int] = {}
+        for s in seqs:
+            for i in tables[s.seq_id]:
+                local[i] = local.get(i, 0) + 1
+        return len(local) + self._num_append_blocks(seqs, tables, pool, local.__getitem__)
+
+    def can_swap_in(self, group: SequenceGroup) -> bool:
+        needed = self._swap_in_need(group.seqs_with_status(SequenceStatus.SWAPPED), self.cpu_tables, self.cpu)
+        return needed <= self.device.num_free - self.watermark_blocks
+
+    def fits_pool_after_swap(self, group: SequenceGroup) -> bool:
+        """Whether the group's running sequences, once swapped out, could come back: what they
+        would take at swap-in is at most the whole device pool. Mutates nothing."""
+        needed = self._swap_in_need(group.seqs_with_status(SequenceStatus.RUNNING), self.tables, self.device)
+        return needed <= self.device.num_blocks - self.watermark_blocks
+
+    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Inverse of swap_out. Returns (cpu block, device block) pairs to copy."""
+        return self._move(group, SequenceStatus.SWAPPED, self.cpu_tables, self.cpu, self.tables, self.device)
+
+    def _move(self, group, status, src_tables, src_pool, dst_tables, dst_pool) -> list[tuple[int, int]]:
+        mapping: dict[int, Block] = {}
+        for seq in group.seqs_with_status(status):
+            moved = new_table()
+            for i in self._pop_table(src_tables, seq.seq_id):
+                if i in mapping:
+                    dst_pool.ref(mapping[i])
+                else:
+                    mapping[i] = dst_pool.allocate()
+                moved.append(mapping[i].block_id)
+                src_pool.release(src_pool.blocks[i])
+            self._put_table(dst_tables, seq.seq_id, moved)
+            self.kv[seq.seq_id].num_registered_blocks = 0  # blocks new to the pool carry no hash yet
+        return [(src, dst.block_id) for src, dst in mapping.items()]
+
+    def _put_table(self, tables: dict[int, BlockTable], seq_id: int, table: BlockTable) -> None:
+        tables[seq_id] = table
+        if tables is self.tables:
+            self.rows.assign(seq_id, table)
+
+    def _pop_table(self, tables: dict[int, BlockTable], seq_id: int) -> BlockTable:
+        """The sequence's table, taken out of `tables` (empty if it has none there)."""
+        table = tables.pop(seq_id, None)
+        if table is None:
+            return new_table()
+        if tables is self.tables:
+            self.rows.release(seq_id, len(table))
+        return table
+
+    # ---------------------------------------------------------------- checks and views
+    def reset(self) -> None:
+        """Both pools and the counters as after construction; only when no sequence holds a
+        block (the engine's start-up calibration runs real requests, then forgets them)."""
+        assert not self.tables and not self.cpu_tables, "reset of a block manager with sequences"
+        self.device.reset()
+        self.cpu.reset()
+        self.kv.clear()
+        self.prefix_queries = self.prefix_hits = self.prefix.num_hashes = 0
+
+    def check_integrity(self) -> None:
+        """Assert the pool invariants (engine/kv/kv_invariants.py); the tests call it after every step."""
+        check_invariants(self)
+
+    def all_free(self) -> bool:
+        """No table, no record, every block free: nothing leaked once every request is done."""
+        return (not self.tables and not self.cpu_tables and not self.kv
+                and self.device.num_free == self.device.num_blocks and self.cpu.num_free == self.cpu.num_blocks)
+
+    def usage(self) -> KvUsage:
+        """The pools' counters, for metrics, in O(1)."""
+        d, c = self.device, self.cpu
+        return KvUsage(d.num_blocks, d.num_free, c.num_blocks, c.num_free, d.num_used, c.num_used, d.num_shared,
+                       d.saved_by_sharing, self.prefix_queries, self.prefix_hits)
+
+    def block_states(self) -> tuple[list[int], list[int], list[int]]:
+        """Per device block: 0 free, 1 used, 2 shared, 3 cached; ref counts; per CPU block:
+        0 free, 4 swapped. O(pool): built on demand (the dashboard), never per step."""
+        states = [2 if b.ref_count > 1 else 1 if b.ref_count else 3 if b.hash is not None else 0
+                  for b in self.device.blocks]
+        cpu = [4 if b.ref_count else 0 for b in self.cpu.blocks]
+        return states, [b.ref_count for b in self.device.blocks], cpu

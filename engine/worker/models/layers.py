@@ -1,0 +1,238 @@
+"""Building blocks of the Llama family, written so that tensor parallelism slots in.
+
+Linear layers know their shard: a column-parallel layer holds `out / world_size` rows of the
+weight, a row-parallel layer holds `in / world_size` columns and all-reduces its output. With
+the default world size 1 they are plain linear layers. Each parameter carries a
+`weight_loader(param, full_tensor, shard_id)` that cuts its shard out of a checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cuda_ext import ops
+from engine.worker import parallel
+from engine.worker.models.linear_kernel import PanelWeight
+
+
+def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias) with the kernel engine/worker/models/linear_kernel.py chose for `layer`."""
+    packed = layer.packed
+    if packed is None:
+        return F.linear(x, layer.weight, bias)
+    if type(packed) is PanelWeight:
+        return packed.product(x, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split over ranks; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.tp_size, self.tp_rank = parallel.world_size(), parallel.rank()
+        if out_features % self.tp_size:
+            raise ValueError(f"{out_features} output features do not split over {self.tp_size} ranks")
+        self.weight = nn.Parameter(torch.empty(out_features // self.tp_size, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.packed = None  # the weight in oneDNN's layout or a PanelWeight, when linear_kernel.pack chose it
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features // self.tp_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[0]
+        param.copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate and up)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, feeds_silu_mul: bool = False):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias)
+        # Two equal halves whose product only feeds SiluAndMul: the panels kernel may then pack
+        # them in pairs and apply SiLU * up as its epilogue (`silu_mul`).
+        self.feeds_silu_mul = feeds_silu_mul and len(out_sizes) == 2 and out_sizes[0] == out_sizes[1] and not bias
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this layer's product in one compiled pass, or None where that
+        does not apply (another kernel, or no pair packing)."""
+        packed = self.packed
+        if type(packed) is PanelWeight and packed.silu_pairs:
+            return packed.silu_mul(x)
+        return None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.out_sizes[:shard_id]) // self.tp_size
+        size = self.out_sizes[shard_id] // self.tp_size
+        param.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; heads are split over ranks (KV heads must divide evenly)."""
+
+    def __init__(self, hidden: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = parallel.world_size()
+        if num_heads % tp or num_kv_heads % tp:
+            raise ValueError(
+                f"tensor parallel size {tp} must divide the number of attention heads ({num_heads}) "
+                f"and of KV heads ({num_kv_heads})"
+            )
+        self.head_size = head_size
+        self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp
+        super().__init__(hidden, (num_heads + 2 * num_kv_heads) * head_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        param.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split over ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.tp_size, self.tp_rank = parallel.world_size(), parallel.rank()
+        if in_features % self.tp_size:
+            raise ValueError(f"{in_features} input features do not split over {self.tp_size} ranks")
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.packed = None
+        self.bias = None
+        if bias:  # added once, after the reduction
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[1]
+        param.copy_(loaded.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self)
+        if self.tp_size > 1:
+            parallel.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary ranges; out-of-shard ids contribute zeros."""
+
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__()
+        self.tp_size, self.tp_rank = parallel.world_size(), parallel.rank()
+        self.shard = (vocab_size + self.tp_size - 1) // self.tp_size
+        self.start = self.tp_rank * self.shard
+        self.vocab_size = vocab_size
+        # NOTE: empty, not zeros: a quantized table replaces it before it is ever touched, and
+        # a dense one is written whole by the loader (zero rows past the vocabulary included)
+        self.weight = nn.Parameter(torch.empty(self.shard, dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        part = loaded[self.start : self.start + self.shard]
+        param[: part.shape[0]].copy_(part)
+        param[part.shape[0]:].zero_()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mask = (local >= 0) & (local < self.shard)
+        y = F.embedding(local.clamp(0, self.shard - 1), self.weight) * mask.unsqueeze(-1)
+        parallel.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the vocabulary; each rank computes its slice, then they are gathered."""
+
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__(vocab_size, dim)
+        self.packed = None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = linear(hidden, self)
+        if self.tp_size > 1:
+            logits = parallel.all_gather_last_dim(logits)
+        return logits[..., : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.fused = False  # the compiled one-pass op on CPU tensors (ModelRunner sets it)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Normalise x (after adding `residual` when given); returns (normed, new residual).
+        NOTE: fused, x and residual are overwritten with the result and the sum: the callers pass
+        tensors nothing else reads (a layer's fresh output, the running residual)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual, compiled=self.fused)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half layout, as HF Llama), with the config's theta and
+    scaling. Inverse frequencies come from transformers' own RoPE initialisers, so every scaling
+    type HF supports (linear, dynamic, llama3, yarn, ...) matches it exactly."""
+
+    def __init__(self, hf_config, head_size: int, max_positions: int):
+        super().__init__()
+        inv_freq, scaling = _rope_inv_freq(hf_config, head_size)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.to(t.device))  # HF's initialisers build it on the CPU
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.fused = False
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotates q: [T, heads, d] and k: [T, kv_heads, d] in place (views of the qkv output)."""
+        ops.rotary_embedding(positions, q, k, self.cos, self.sin, compiled=self.fused)
+
+
+def _rope_inv_freq(hf_config, head_size: int) -> tuple[torch.Tensor, float]:
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    if rope_type == "default":
+        inv = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if hasattr(hf_config, "to_transformers"):  # a GGUF's plain config: the initialisers want HF's
+        hf_config = hf_config.to_transformers()
+    # NOTE: on the CPU whatever the default device: some initialisers make tensors without one,
+    # and one built on the meta device (a model built without memory) has no values to read
+    with torch.device("cpu"):
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    return inv.float(), float(scaling)
+
+
+class SiluAndMul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fused = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.silu_and_mul(x, compiled=self.fused)
+
+
+FUSED_MODULES = (RMSNorm, RotaryEmbedding, SiluAndMul)
+
+
+def use_fused_ops(model: nn.Module, enabled: bool) -> None:
+    """Switch the model's elementwise layers to the compiled one-pass ops (cuda_ext/csrc/cpu/
+    fused.cpp; they apply to CPU tensors only) or back to torch."""
+    for m in model.modules():
+        if isinstance(m, FUSED_MODULES):
+            m.fused = enabled

@@ -1,0 +1,153 @@
+"""The Llama family (Llama, SmolLM, Qwen2, Mistral) over a paged KV cache.
+
+Parameter names match HF checkpoints (`model.layers.N.self_attn.q_proj` ...) except that q/k/v
+and gate/up are fused; `packed_modules` tells the loader where each checkpoint tensor goes.
+Qwen2 differs only by biases on q/k/v, Mistral not at all (no sliding window here).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.worker.attention import AttentionMetadata, PagedAttention
+from engine.worker.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        hidden = config.hidden_size
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_size = getattr(config, "head_dim", None) or hidden // heads
+        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_size, heads, kv_heads, bias=bias)
+        self.o_proj = RowParallelLinear(heads * self.head_size, hidden, bias=False)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5)
+
+    def forward(self, positions, x, meta: AttentionMetadata, kv_cache, rows=None):
+        """Every token's K/V goes to the cache; the output is that of `rows` only (None: all)."""
+        T = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        # NOTE: q, k and v stay views of the qkv output (row stride q_size + 2 kv_size); the
+        # rotation writes into it, and the attention backend reads strided rows.
+        self.rotary(positions, q.view(T, self.num_heads, self.head_size), k.view(T, self.num_kv_heads, self.head_size))
+        o = self.attn(q, k, v, meta, kv_cache)
+        return self.o_proj(o if rows is None else o.index_select(0, rows))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], feeds_silu_mul=True)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x):
+        # NOTE: with the fused ops on, the panels kernel applies SiLU * up as the gate/up
+        # product's epilogue (same floats, without writing and re-reading the product).
+        h = self.gate_up_proj.silu_mul(x) if self.act.fused else None
+        if h is None:
+            h = self.act(self.gate_up_proj(x))
+        return self.down_proj(h)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, residual, meta, kv_cache, rows=None):
+        """`rows`: the token rows to carry past the attention (None: all), in that order."""
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta, kv_cache, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(config, head_size, max_positions)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The layers below as one compiled call per step, where it applies and gives the same
+        # floats (engine/worker/models/decoder_stack.py sets it; None: layer by layer).
+        self.compiled_stack = None
+
+    def forward(self, input_ids, positions, meta, kv_caches, rows=None):
+        x, residual = self.embed_tokens(input_ids), None
+        stack = self.compiled_stack
+        if stack is not None and stack.applies(meta, kv_caches):
+            return stack(x, positions, meta, kv_caches, rows)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            # NOTE: past the last layer's attention only the rows whose hidden states are wanted
+            # matter (a prompt's other tokens only leave their K/V in the cache), so its o_proj
+            # and MLP run on those alone: ~1/num_layers of a long prefill's work. Every kernel
+            # here works row by row, so the rows kept get the same floats as without the cut.
+            x, residual = layer(positions, x, residual, meta, kv_cache, rows if i == last else None)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.model = LlamaModel(config, max_positions)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tied_parameters: set[str] = set()
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, rows=None) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] for the flattened batch; with `rows` (int64 token
+        indices), those rows' only, in that order ([len(rows), hidden])."""
+        return self.model(input_ids, positions, meta, kv_caches, rows)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(hf_config) -> type[nn.Module]:
+    archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[arch]
+    raise ValueError(f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")

@@ -1,0 +1,119 @@
+"""The tensor-parallel group: world size 1 unless torch.distributed was initialised by the
+tensor-parallel executor (engine/worker/executor.py) or a worker (engine/worker/tp_worker.py). Layers ask here
+instead of reading globals of their own.
+
+Two groups exist once initialised: the default group (NCCL on CUDA, gloo on CPU) carries the
+layers' all-reduces and all-gathers; a gloo "control" group carries the driver's small pickled
+messages (step inputs), so that they never touch the GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 120.0  # one collective waits at most this long
+DEFAULT_START_TIMEOUT_S = 600.0  # all ranks have met, and loaded their shards, within this long
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def all_reduce(t: torch.Tensor) -> None:
+    dist.all_reduce(t)
+
+
+def all_gather_last_dim(t: torch.Tensor) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def timeout_s() -> float:
+    """Seconds before a stuck collective fails: $PAGED_SERVE_TP_TIMEOUT or the default."""
+    return float(os.environ.get("PAGED_SERVE_TP_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
+def start_timeout_s() -> float:
+    """Seconds for all ranks to load their shards: $PAGED_SERVE_TP_START_TIMEOUT or the default."""
+    return float(os.environ.get("PAGED_SERVE_TP_START_TIMEOUT", DEFAULT_START_TIMEOUT_S))
+
+
+def wait_for_all(group: dist.ProcessGroup, timeout: float) -> None:
+    """A barrier with its own timeout (loading a shard may take longer than one collective);
+    on rank 0 a failure names the ranks that did not arrive."""
+    dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout))
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init(rank: int, world_size: int, init_method: str, device: torch.device) -> dist.ProcessGroup:
+    """Join the tensor-parallel group (blocks until all `world_size` ranks have joined, at most
+    `start_timeout_s()`); returns the gloo control group."""
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised in this process")
+    timeout = datetime.timedelta(seconds=timeout_s())
+    backend = backend_for(device)
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    # NOTE: our own store, so that meeting (workers still starting up) may take the start-up
+    # limit while every collective afterwards keeps the short one.
+    host, port = _address(init_method)
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, wait_for_workers=True,
+                          timeout=datetime.timedelta(seconds=start_timeout_s()))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    if backend == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def _address(init_method: str) -> tuple[str, int]:
+    """(host, port) of the rendezvous: "tcp://host:port", or "env://" (MASTER_ADDR, MASTER_PORT)."""
+    if init_method == "env://":
+        return os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 29500))
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    return host, int(port)
+
+
+def destroy() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_object(obj: object, group: dist.ProcessGroup, src: int = 0) -> object:
+    """Rank `src` sends `obj` (picklable) to every rank of `group`; each rank returns it."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def min_over_ranks(values: list[int], group: dist.ProcessGroup) -> list[int]:
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return t.tolist()
+
+
+def check_divides(hf_config, tp_size: int) -> None:
+    """Raise ValueError unless `tp_size` ranks can split the model's heads and MLP evenly."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    inter = hf_config.intermediate_size
+    if tp_size == 1:
+        return
+    if kv_heads % tp_size or heads % tp_size or inter % tp_size:
+        ok = [n for n in range(1, kv_heads + 1) if kv_heads % n == 0 and heads % n == 0 and inter % n == 0]
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not divide this model's {kv_heads} KV heads "
+            f"({heads} attention heads, intermediate size {inter}): each rank must hold whole KV "
+            f"heads. Valid sizes for this model: {', '.join(map(str, ok))}."
+        )
