@@ -3,7 +3,7 @@
 // step's prompt chunks, then its decodes), o product, residual add + RMSNorm, gate/up product
 // with SiLU * up, down product; then the final RMSNorm.
 //
-// Why: engine/models/llama.py runs the same kernels one Python call at a time, ~20 per layer
+// Why: engine/worker/models/llama.py runs the same kernels one Python call at a time, ~20 per layer
 // (module calls, the ops.py wrappers' checks, the dispatcher, views). On a 2-core AVX2 EPYC
 // that host work was ~6 ms of every step, ~10 us a call, whatever the batch: 4% of a 64-row
 // decode step, ~10% of a 16-row one and ~25% of a 1-row one, where the kernels are short.
@@ -11,7 +11,7 @@
 // Same floats: the kernels below are the ones the Python layers call (fused.cpp, linear.cpp,
 // cache.cpp, attention.cpp, prefill_attention.cpp), in the same order, on tensors of the same
 // shapes and strides, so each output is bit for bit the Python path's. The caller decides
-// where this applies (engine/models/decoder_stack.py): one rank; fp32 on the panels kernel, or
+// where this applies (engine/worker/models/decoder_stack.py): one rank; fp32 on the panels kernel, or
 // any dtype on oneDNN's packed weights (bf16 where the CPU multiplies it natively), or fp32 /
 // bf16 on GGUF-quantized weights packed by quant_pack.
 //
@@ -37,7 +37,7 @@ namespace {
 
 constexpr int64_t kWeightsPerLayer = 6;
 
-// x W^T (+ bias) with W packed by oneDNN: the op engine/models/layers.py's `linear` calls, with
+// x W^T (+ bias) with W packed by oneDNN: the op engine/worker/models/layers.py's `linear` calls, with
 // the same arguments (the bias fused into the product).
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   static const auto op = c10::Dispatcher::singleton()

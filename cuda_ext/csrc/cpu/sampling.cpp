@@ -1,4 +1,4 @@
-// CPU token draw for the sampler's common case (engine/random_sampling.py `draw`): per row,
+// CPU token draw for the sampler's common case (engine/sample/random_draw.py `draw`): per row,
 // softmax(logits / temperature), one draw by inverting the CDF at u, and top-p's acceptance
 // test of that draw, fused into a few passes over the row instead of ~15 full-tensor torch ops.
 //

@@ -1,4 +1,4 @@
-// CPU token scores (engine/sampler.py `score_tokens`): per row of logits, a given token's raw
+// CPU token scores (engine/sample/sampler.py `score_tokens`): per row of logits, a given token's raw
 // logprob and rank, and the row's k best tokens with their logprobs, in two passes over the row
 // instead of torch's logsumexp, gather, a full-row comparison and topk (four passes, two of
 // them writing full-vocabulary temporaries). Prompt logprobs score every prompt row this way
