@@ -14,6 +14,7 @@ import json
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -74,7 +75,12 @@ def main() -> None:
     llm = LLM(max_model_len=2048, kv_cache_memory="2GiB")
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_config.path, dtype=torch.float32).eval()
+    from engine.worker.models.loader import convert_gguf, is_gguf
+
+    path = llm.engine.model_config.path
+    # NOTE: a GGUF (the default model, served as stored) is read by HF as the same file dequantized
+    hf_path = convert_gguf(Path(path)) if is_gguf(path) else path
+    hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).eval()
     prompts = make_prompts(llm.tokenizer, args.num_prompts, args.max_prompt_len, args.seed)
     n_out = args.num_prompts * args.max_tokens
     run_engine(llm, prompts[:2], 4)  # warm-up (kernel load, allocator)
