@@ -24,5 +24,9 @@ class RequestError(ValueError):
 
     def renamed(self, param: str | None) -> "RequestError":
         """The same error naming `param` (an API whose field has another name: chat's
-        max_completion_tokens is the engine's max_tokens)."""
-        return RequestError(self.message, param, self.code)
+        max_completion_tokens is the engine's max_tokens); a message that starts with the old
+        name says the new one."""
+        message = self.message
+        if self.param and param and message.startswith(self.param + " "):
+            message = param + message[len(self.param):]
+        return RequestError(message, param, self.code)

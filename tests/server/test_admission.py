@@ -24,7 +24,7 @@ CASES = [
      "This model's maximum context length"),
     ("max-tokens-0", C, {"max_tokens": 0}, "max_tokens", None, "max_tokens must be at least 1"),
     ("max-completion-tokens-0", H, {"max_completion_tokens": 0}, "max_completion_tokens", None,
-     "max_tokens must be at least 1"),
+     "max_completion_tokens must be at least 1"),
     ("n-0", C, {"n": 0}, "n", None, "n must be at least 1"),
     ("n-over-max-n", H, {"n": 17}, "n", None, "n must be at most 16"),
     ("best-of-under-n", C, {"n": 3, "best_of": 2}, "best_of", None, "best_of must be greater than or equal to n"),

@@ -130,3 +130,12 @@ def test_each_message_is_defined_in_one_place(message):
              for i, line in enumerate(path.read_text().splitlines(), 1)
              if message in line and not re.match(r"\s*#", line)]
     assert len(where) == 1, where
+
+
+def test_a_renamed_error_names_the_new_field_in_its_message_too():
+    from engine.core.request_error import RequestError
+
+    err = RequestError("max_tokens must be at least 1, got 0.", "max_tokens").renamed("max_completion_tokens")
+    assert (err.param, err.message) == ("max_completion_tokens", "max_completion_tokens must be at least 1, got 0.")
+    other = RequestError("The prompt is too long.", "prompt").renamed("messages")
+    assert (other.param, other.message) == ("messages", "The prompt is too long.")
