@@ -225,10 +225,14 @@ print(build.load("cpu"))
 
 
 @pytest.mark.skipif(build.PORTABLE_MARCH.get(platform.machine().lower()) != "x86-64-v2", reason="x86-64 only")
-def test_portable_build_runs_and_uses_no_avx(tmp_path):
-    """A real portable build into an empty cache (about 10 s): it loads, matches the reference,
-    and its code has no AVX instructions (no ymm/zmm registers), so it runs on any x86-64-v2.
-    The cache holds the lock file a killed build leaves behind: the build must not wait on it."""
+def test_portable_build_runs_and_uses_no_avx(tmp_path, portable_ext_cache):
+    """A real portable build into an empty cache (minutes on two cores): it loads, matches the
+    reference, and its code has no AVX instructions (no ymm/zmm registers), so it runs on any
+    x86-64-v2. The cache holds the lock file a killed build leaves behind: the build must not
+    wait on it. The session's portable cache when still empty (test_quant_matmul then reuses
+    the build), else a fresh one."""
+    if not any(portable_ext_cache.iterdir()):
+        tmp_path = portable_ext_cache
     stale = tmp_path / f"paged_serve_ops_cpu_{build.source_hash('cpu', 'portable')}" / build.TORCH_BATON
     stale.parent.mkdir()
     stale.write_text("")

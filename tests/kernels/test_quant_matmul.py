@@ -259,10 +259,13 @@ print(build.load("cpu"))
     pytest.param("portable", "portable", marks=pytest.mark.skipif(
         build.PORTABLE_MARCH.get(__import__("platform").machine().lower()) != "x86-64-v2", reason="x86-64 only")),
 ])
-def test_other_instruction_sets(arch, isa):
+def test_other_instruction_sets(arch, isa, portable_ext_cache):
     """The native build of an AVX-512 VNNI CPU runs the VNNI kernels; the AVX2 path and the
-    portable loops run the same cases in builds for x86-64-v3 and x86-64-v2 (cached)."""
+    portable loops run the same cases in builds for x86-64-v3 and x86-64-v2 (cached; the
+    portable one in the session's portable cache, which test_ops_backend may have filled)."""
     env = {**os.environ, build.CPU_ARCH_ENV: arch, "PAGED_SERVE_OPS": "compiled"}
+    if arch == "portable":
+        env["PAGED_SERVE_EXT_CACHE"] = str(portable_ext_cache)
     result = subprocess.run([sys.executable, "-c", ISA_RUN.format(repo=str(REPO))], env=env, capture_output=True,
                             text=True, timeout=900, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
