@@ -245,6 +245,7 @@ class MultiProcessExecutor(Executor):
             self._closed = True
             self._finalizer.detach()
             _stop_processes(list(self._procs.values()), grace_s)
+            self._group = None
             parallel.destroy()
 
     # ------------------------------------------------------------------ internals

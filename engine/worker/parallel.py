@@ -10,6 +10,7 @@ messages (step inputs), so that they never touch the GPU.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 
 import torch
@@ -72,6 +73,7 @@ def init(rank: int, world_size: int, init_method: str, device: torch.device) -> 
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, wait_for_workers=True,
                           timeout=datetime.timedelta(seconds=start_timeout_s()))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    del store  # NOTE: the group alone holds it now, so destroy() can release it (see there)
     if backend == "gloo":
         return dist.group.WORLD
     return dist.new_group(backend="gloo", timeout=timeout)
@@ -86,8 +88,16 @@ def _address(init_method: str) -> tuple[str, int]:
 
 
 def destroy() -> None:
+    """Leave the group and release it now. Callers drop their own references to the groups
+    that init() returned before calling this."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    # NOTE: a process group that outlives destroy_process_group() keeps its TCPStore (and that
+    # store's threads) until interpreter exit, where tearing it down aborted about one exit in
+    # two ("terminate called without an active exception", SIGABRT; a bare two-rank gloo script
+    # shows it, torch 2.13). Collecting the last references here, while the interpreter is
+    # whole, leaves nothing for exit to destroy.
+    gc.collect()
 
 
 def broadcast_object(obj: object, group: dist.ProcessGroup, src: int = 0) -> object:

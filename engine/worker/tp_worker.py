@@ -83,6 +83,7 @@ def run_worker(rank: int, world_size: int, init_method: str, device_type: str, l
             if method != PING:
                 run_method(runner, method, args, group)
     finally:
+        del group
         parallel.destroy()
 
 
