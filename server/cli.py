@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,19 @@ class CliConfig:
     engine_factory: str | None  # "module:callable" replacing LLMEngine.from_engine_args (tests)
 
 
+class _ListArchitectures(argparse.Action):
+    """--list-architectures: print the registry and exit, as --help does."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from engine.worker.models.registry import describe_architectures
+
+        sys.stdout.write(describe_architectures())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="paged-serve",
@@ -48,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="model: HF directory, GGUF file or hub-style name (default: SmolLM2-135M-Instruct)")
     p.add_argument("--config", default=None, help="YAML file of flag values (flags given here override it)")
+    p.add_argument("--list-architectures", action=_ListArchitectures,
+                   help="print the model architectures served (a config.json's `architectures`) and exit")
 
     net = p.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1")
@@ -107,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng = p.add_argument_group("engine")
     eng.add_argument("--model", dest="model", default=None, help="same as the positional MODEL")
     eng.add_argument("--served-model-name", default=None)
-    eng.add_argument("--tokenizer", default=None)
+    eng.add_argument("--tokenizer", default=None,
+                     help="a local HF directory or .gguf whose tokenizer to use instead of the model's own")
     eng.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                      help="auto: bfloat16 on a GPU; on a CPU bfloat16 where it is native and timed clearly faster "
                           "at start-up (logged), else float32 (HF fp32 equality)")

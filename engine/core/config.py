@@ -44,6 +44,7 @@ class ModelConfig:
     fused_ops: bool = True  # the compiled one-pass RMSNorm / rotary / SiLU*up on CPU tensors
     # "auto" (a GGUF's types as stored), "none" (dense) or a type the linear layers take at load
     quantization: str = "none"
+    tokenizer: str | None = None  # a tokenizer's HF directory or .gguf (--tokenizer); None: the model's own
 
     @property
     def quantized(self) -> bool:

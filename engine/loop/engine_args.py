@@ -24,7 +24,7 @@ from engine.core.config import (
     parse_size,
 )
 from engine.worker.models import linear_kernel
-from engine.worker.models.llama import model_class
+from engine.worker.models.registry import check_config, model_class
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +151,7 @@ class EngineArgs:
         max_model_len = self.max_model_len or model_max
         if max_model_len > model_max:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's maximum {model_max}")
+        max_model_len = check_config(hf_config, max_model_len, max_model_len_asked=self.max_model_len is not None)
         if self.dtype != "auto":
             dtype = _DTYPES[self.dtype]
         elif device.type == "cuda":
@@ -191,6 +192,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             load_format=self.load_format,
             served_model_name=self.served_model_name or default_name,
+            tokenizer=self.tokenizer,
             seed=self.seed,
             linear_kernel=self.linear_kernel,
             fused_ops=self.fused_ops,

@@ -29,6 +29,7 @@ from engine.loop.request_stream import EngineDeadError, RequestFailedError
 from engine.loop.step_calibration import calibrate_step_cost
 from engine.loop.watchdog import StepWatchdog
 from engine.worker.models.gguf_file import GGUFError
+from engine.worker.models.registry import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -142,11 +143,13 @@ class EngineThread:
                 self.on_ready(self.engine)
             self.last_stats = self.engine.last_stats
         except BaseException as exc:  # noqa: BLE001 - reported, the server stays up to say so
-            if isinstance(exc, GGUFError):  # a bad model file: its one line (file, tensor, reason) says it all
+            # a bad model file or a config we cannot serve: its one line (file, field, reason) says it all
+            one_line = isinstance(exc, (GGUFError, UnsupportedModelError))
+            if one_line:
                 logger.error("The engine failed to load: %s", exc)
             else:
                 logger.exception("The engine failed to load")
-            self._die(f"The engine failed to load: {exc if isinstance(exc, GGUFError) else repr(exc)}",
+            self._die(f"The engine failed to load: {exc if one_line else repr(exc)}",
                       "The engine failed to load; the server log has the details.")
             self._to_loop(self._set_ready, EngineDeadError(self.dead_reason))
             return

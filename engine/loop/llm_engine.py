@@ -48,7 +48,10 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model
         mc, cc = config.model, config.cache
-        self.tokenizer = load_tokenizer(mc.path, chat_template) if mc.load_format != "dummy" else None
+        if mc.tokenizer is not None or mc.load_format != "dummy":
+            self.tokenizer = load_tokenizer(mc.tokenizer or mc.path, chat_template)
+        else:
+            self.tokenizer = None
         self.chat_template = chat_template
         # NOTE: build or load the compiled ops now, not on the first request (the first build
         # takes ~10-40 s); the backend in use is logged.

@@ -35,7 +35,7 @@ from engine.worker.models.layers import (
     VocabParallelEmbedding,
     use_fused_ops,
 )
-from engine.worker.models.llama import model_class
+from engine.worker.models.registry import model_class
 from engine.worker.models.loader import is_gguf, load_weights
 from engine.worker.models.quant_linear import describe_footprint, weight_footprint
 from engine.worker.models.quantize import quantize_linear_layers

@@ -208,7 +208,7 @@ def test_probing_leaves_the_global_rng_alone(choice_cache):
 
 def meta_model(name: str | None):
     """The model `name` (None: the default) on the meta device, as EngineArgs probes it."""
-    from engine.worker.models.llama import model_class
+    from engine.worker.models.registry import model_class
     from engine.worker.models.loader import load_hf_config, resolve_model
 
     config = load_hf_config(resolve_model(name, "dummy")[0])

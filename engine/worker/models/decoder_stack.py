@@ -104,6 +104,9 @@ def why_not(model: nn.Module, device: torch.device, tp_size: int) -> str | None:
     decoder = getattr(model, "model", None)
     if not isinstance(decoder, LlamaModel):
         return "not a Llama-family decoder"
+    unsupported = getattr(model, "compiled_stack_unsupported", None)
+    if unsupported is not None:
+        return unsupported
     dtype = decoder.norm.weight.dtype
     if device.type != "cpu" or dtype not in _DTYPES:
         return "it runs float32 or bfloat16 on a CPU"

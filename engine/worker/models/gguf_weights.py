@@ -33,7 +33,7 @@ from torch import nn
 
 from engine.worker.models.gguf_file import PERMUTED_QK, GGUFFile
 from engine.worker.models.layers import RotaryEmbedding
-from engine.worker.models.llama import model_class
+from engine.worker.models.registry import model_class
 from engine.worker.models.quant_linear import QUANTIZE_TYPES, QuantEmbedding, QuantLinear, QuantLMHead
 from engine.worker.models.quant_ops import qops
 from engine.worker.models.quantize import log_fallbacks, quantize_to

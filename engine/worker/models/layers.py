@@ -236,3 +236,10 @@ def use_fused_ops(model: nn.Module, enabled: bool) -> None:
     for m in model.modules():
         if isinstance(m, FUSED_MODULES):
             m.fused = enabled
+
+
+def rms_norm_heads_(norm: RMSNorm, x: torch.Tensor) -> None:
+    """Normalise each [.., dim] row of `x` (e.g. [T, heads, head_dim], a strided view of the qkv
+    output) by `norm` in place: the per-head query and key norms of Qwen3, OLMo 2 and Gemma 3."""
+    normed, _ = norm(x.reshape(-1, x.shape[-1]).contiguous())
+    x.copy_(normed.view(x.shape))

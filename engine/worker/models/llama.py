@@ -1,8 +1,14 @@
-"""The Llama family (Llama, SmolLM, Qwen2, Mistral) over a paged KV cache.
+"""The Llama family (Llama, SmolLM, Qwen2, Mistral) over a paged KV cache, and the layers the
+other families (engine/worker/models/registry.py) build on.
 
 Parameter names match HF checkpoints (`model.layers.N.self_attn.q_proj` ...) except that q/k/v
 and gate/up are fused; `packed_modules` tells the loader where each checkpoint tensor goes.
 Qwen2 differs only by biases on q/k/v, Mistral not at all (no sliding window here).
+
+Another family subclasses what differs and names it in a class attribute one level up:
+`LlamaDecoderLayer.attention_cls` / `.mlp_cls`, `LlamaModel.layer_cls`,
+`LlamaForCausalLM.model_cls`. A subclass that the compiled decoder stack does not compute sets
+`LlamaForCausalLM.compiled_stack_unsupported` to the reason, which the start-up log prints.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from engine.worker.models.layers import (
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    def __init__(self, config, rotary: RotaryEmbedding, layer_idx: int = 0):
         super().__init__()
         hidden = config.hidden_size
         heads = config.num_attention_heads
@@ -50,7 +56,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], feeds_silu_mul=True)
@@ -67,10 +73,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    attention_cls: type[nn.Module] = LlamaAttention
+    mlp_cls: type[nn.Module] = LlamaMLP
+
+    def __init__(self, config, rotary: RotaryEmbedding, layer_idx: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = self.attention_cls(config, rotary, layer_idx)
+        self.mlp = self.mlp_cls(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -85,12 +94,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, config, max_positions: int):
         super().__init__()
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(config, head_size, max_positions)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config, rotary, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # The layers below as one compiled call per step, where it applies and gives the same
         # floats (engine/worker/models/decoder_stack.py sets it; None: layer by layer).
@@ -113,6 +124,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_cls: type[nn.Module] = LlamaModel
+    compiled_stack_unsupported: str | None = None  # why ops.decoder_stack cannot run a subclass
     packed_modules = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -123,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config, max_positions: int):
         super().__init__()
-        self.model = LlamaModel(config, max_positions)
+        self.model = self.model_cls(config, max_positions)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tied_parameters: set[str] = set()
         if getattr(config, "tie_word_embeddings", False):
@@ -136,18 +149,3 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
-
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
-
-
-def model_class(hf_config) -> type[nn.Module]:
-    archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
-    for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return SUPPORTED_ARCHITECTURES[arch]
-    raise ValueError(f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")

@@ -1,0 +1,81 @@
+"""Every family we serve equals HF transformers token for token (greedy, fp32) on a tiny
+random-weight model of its own config class: each prompt alone, all batched, prefilled in
+chunks of a 16-token budget, with prefix-cache hits, and under swap and recompute preemption.
+The block pool is checked whole and free after each run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.core.sampling_params import SamplingParams
+from engine.loop.llm import LLM
+from engine.worker.models.loader import default_gguf_path, gguf_tokenizer_dir
+from tests.engine.hf_reference import hf_greedy
+from tests.engine.test_hf_equality import assert_matches
+from tests.families.tiny_models import FAMILIES, VOCAB, build, save
+
+NEW = 12
+LENGTHS = (5, 23, 41, 70)  # several blocks of 4, and chunks of the 16-token budget
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir():
+    return str(gguf_tokenizer_dir(default_gguf_path()))
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory, tokenizer_dir):
+    """(name, model dir, prompts, HF references) of one family's tiny model."""
+    name = request.param
+    hf = build(name)
+    path = save(hf, tmp_path_factory.mktemp(name))
+    rng = random.Random(7)
+    shared = [rng.randrange(3, VOCAB) for _ in range(20)]  # a common prefix: prefix-cache hits
+    prompts = [shared[:n] if n <= 20 else shared + [rng.randrange(3, VOCAB) for _ in range(n - 20)]
+               for n in LENGTHS]
+    refs = [hf_greedy(hf, ids, NEW) for ids in prompts]
+    return name, str(path), prompts, refs, tokenizer_dir
+
+
+def make_llm(family, **kw) -> LLM:
+    _, path, _, _, tokenizer = family
+    args = dict(model=path, tokenizer=tokenizer, dtype="float32", block_size=4, max_model_len=128,
+                kv_cache_memory="4MiB", enable_chunked_prefill=True, max_num_batched_tokens=16,
+                enable_prefix_caching=True, max_num_seqs=8)
+    return LLM(**(args | kw))
+
+
+def check(llm: LLM, family, outs, times: int = 1) -> None:
+    name, _, _, refs, _ = family
+    assert len(outs) == len(refs) * times
+    for k, (out, (ref, top)) in enumerate(zip(outs, refs * times)):
+        assert_matches(out.outputs[0].token_ids, ref, top, f"{name} prompt {k}")
+    bm = llm.engine.block_manager
+    bm.check_integrity()
+    assert not llm.engine.has_unfinished_requests() and bm.all_free(), "blocks leaked"
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+def test_alone_batched_chunked_and_from_the_prefix_cache(family):
+    llm = make_llm(family)
+    prompts = family[2]
+    alone = [llm.generate([ids], greedy())[0] for ids in prompts]
+    check(llm, family, alone)
+    batched = llm.generate(prompts, greedy())
+    check(llm, family, batched)
+    assert all(o.num_cached_tokens > 0 for o in batched[1:]), "the shared prefix was not served from the cache"
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_under_preemption(family, mode):
+    # 32 blocks of 4 tokens; the prompts twice over need 2 x (5+9+14+21) blocks at their ends
+    llm = make_llm(family, num_gpu_blocks_override=32, preemption_mode=mode, swap_space=0.01,
+                   enable_prefix_caching=False)
+    outs = llm.generate(family[2] * 2, greedy())
+    assert llm.engine.scheduler.num_preemptions[mode] > 0
+    check(llm, family, outs, times=2)
