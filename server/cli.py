@@ -15,6 +15,8 @@ import yaml
 from engine.core.config import QUANTIZATIONS, SCHEDULING_POLICIES, parse_size
 from engine.loop.engine_args import EngineArgs
 from engine.worker.models.linear_kernel import KERNELS as LINEAR_KERNELS
+from server.chat_output import TOOL_CALL_PARSERS
+from server.reasoning import PARSERS as REASONING_PARSERS
 from server.settings import ServerSettings
 
 API_KEY_ENV = "PAGED_SERVE_API_KEY"
@@ -75,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--metrics-public", action="store_true", default=False,
                      help="serve /metrics, /kv/blocks and /dashboard without the API key")
     net.add_argument("--chat-template", default=None, help="Jinja chat template: a file path or the template itself")
+    net.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                     help="split the model's <think>...</think> text off into message.reasoning_content "
+                          "(delta.reasoning_content when streaming)")
+    net.add_argument("--tool-call-parser", default="json", choices=list(TOOL_CALL_PARSERS),
+                     help="how tool_choice 'auto' reads calls: 'json', the whole answer as one "
+                          "{\"name\", \"arguments\"} object; 'hermes', each <tool_call>{...}</tool_call> "
+                          "block (Qwen, Hermes, SmolLM3 templates)")
     net.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
                      help="sampling defaults for requests that leave them out: 'auto' takes the "
                           "model directory's generation_config.json (temperature, top_p, top_k, "
@@ -265,6 +274,8 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
         allowed_origins=_origins(args.allowed_origins),
         chat_template=_chat_template(args.chat_template),
         generation_config=_generation_config(args.generation_config),
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
         metrics_public=args.metrics_public,
         max_logprobs=args.max_logprobs,
         max_n=args.max_n,

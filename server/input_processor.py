@@ -105,25 +105,44 @@ class InputProcessor:
         return [replace(p, grammar=g) for p, g in zip(prompts, states)]
 
     # ---------------------------------------------------------------- chat
-    def render_chat(self, messages: list[dict], plan: ToolPlan | None = None) -> str:
+    def render_chat(self, messages: list[dict], plan: ToolPlan | None = None, template_kwargs: dict | None = None) -> str:
         """The chat prompt's text (worker thread): the template's own tool rendering when it
-        has one, else the tools described in the system prompt (server/tools.py)."""
+        has one, else the tools described in the system prompt (server/tools.py).
+        `template_kwargs`: the request's chat_template_kwargs, extra variables for the template."""
         tokenizer = self._need_tokenizer()
+        extra = self._template_kwargs(template_kwargs)
         tools = plan.tools if plan is not None and plan.functions else None
         has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
         if tools is None and not has_tool_turns:
-            return apply_chat_template(tokenizer, messages, chat_template=self.chat_template)
+            return apply_chat_template(tokenizer, messages, chat_template=self.chat_template, **extra)
         if template_supports_tools(tokenizer, self.chat_template):
-            return apply_chat_template(tokenizer, messages, chat_template=self.chat_template, tools=tools)
-        return apply_chat_template(tokenizer, text_messages(messages, plan), chat_template=self.chat_template)
+            return apply_chat_template(tokenizer, messages, chat_template=self.chat_template, tools=tools, **extra)
+        return apply_chat_template(tokenizer, text_messages(messages, plan), chat_template=self.chat_template,
+                                   **extra)
 
-    async def chat_prompt(self, messages: list[dict], plan: ToolPlan | None) -> Prompt:
+    def _template_kwargs(self, kwargs: dict | None) -> dict:
+        """The request's chat_template_kwargs, refused (400) where one would set an argument of
+        the tokenizer's apply_chat_template itself (tokenize, chat_template ...) rather than a
+        template variable."""
+        if not kwargs:
+            return {}
+        import inspect
+
+        reserved = set(inspect.signature(self.tokenizer.apply_chat_template).parameters) | {"messages", "tools"}
+        for name in kwargs:
+            if name in reserved:
+                raise bad_request(f"chat_template_kwargs may not set {name[:64]!r}: it is not a template variable.",
+                                  param="chat_template_kwargs")
+        return {"template_kwargs": kwargs}
+
+    async def chat_prompt(self, messages: list[dict], plan: ToolPlan | None, template_kwargs: dict | None = None
+                          ) -> Prompt:
         """The rendered, tokenized chat prompt (the template holds its special tokens: none are
         added)."""
         self._need_tokenizer()
 
         def work() -> Prompt:
-            text = self.render_chat(messages, plan)
+            text = self.render_chat(messages, plan, template_kwargs)
             return Prompt(self.tokenizer(text, add_special_tokens=False).input_ids, text)
 
         return await self._run(work)

@@ -218,6 +218,9 @@ class ChatCompletionRequest(_SamplingFields):
     # a bad value is a 400 with param "tool_choice" (not a path through the union's members).
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None  # accepted; each choice makes at most one call
+    # extra variables for the chat template (e.g. {"enable_thinking": false}); checked in
+    # server/input_processor.py (names the template's own arguments cannot be overridden)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Request):
@@ -324,6 +327,8 @@ def _omit_if_none():
 class ResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    # --reasoning-parser: the thinking before the answer (vLLM's and SGLang's field)
+    reasoning_content: str | None = _omit_if_none()
     tool_calls: list[ToolCallResponse] | None = _omit_if_none()
 
 
@@ -360,6 +365,7 @@ class DeltaToolCall(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = _omit_if_none()
     tool_calls: list[DeltaToolCall] | None = _omit_if_none()
 
 

@@ -15,6 +15,8 @@ class ServerSettings:
     # Sampling defaults: "auto" (the model's generation_config.json), "vllm" (none) or a path.
     generation_config: str = "auto"
     metrics_public: bool = False  # /metrics, /kv/blocks and /dashboard need no API key
+    reasoning_parser: str | None = None  # server/reasoning.py PARSERS: thinking -> reasoning_content
+    tool_call_parser: str = "json"  # server/chat_output.py TOOL_CALL_PARSERS: how "auto" reads calls
     # Limits (each answered with a clear 4xx).
     max_logprobs: int = 20
     max_n: int = 16
@@ -43,3 +45,10 @@ class ServerSettings:
     log_level: str = "info"
     access_log: bool = True
     extra: dict = field(default_factory=dict)
+
+    @property
+    def think_format(self):
+        """The reasoning parser's format, or None."""
+        from server.reasoning import think_format
+
+        return think_format(self.reasoning_parser) if self.reasoning_parser else None

@@ -63,14 +63,15 @@ def template_supports_tools(tokenizer, chat_template: str | None = None) -> bool
 
 def apply_chat_template(
     tokenizer, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
-    tools: list[dict] | None = None,
+    tools: list[dict] | None = None, template_kwargs: dict | None = None,
 ) -> str:
     """Render OpenAI-style chat messages into one prompt string with the chat template.
 
     Content given as a list of {"type": "text", "text": ...} parts is joined with newlines.
     Assistant messages may carry `tool_calls` (content may then be None) and "tool" messages a
     `tool_call_id`; both are passed to the template as they are, and so is `tools` (OpenAI-style
-    function definitions), for templates that render them (`template_supports_tools`).
+    function definitions), for templates that render them (`template_supports_tools`);
+    `template_kwargs` are further variables for the template (e.g. enable_thinking).
     Raises ValueError (with a message fit for the user) on a bad role or content, or when
     there is no template. The result already holds the template's special tokens, so tokenize
     it without adding more (add_special_tokens=False).
@@ -84,7 +85,7 @@ def apply_chat_template(
     try:
         prompt = tokenizer.apply_chat_template(
             conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
-            **({"tools": tools} if tools else {}),
+            **({"tools": tools} if tools else {}), **(template_kwargs or {}),
         )
     except TemplateError as e:  # includes the template's own raise_exception(...)
         raise ValueError(f"the chat template rejected these messages: {e}") from e

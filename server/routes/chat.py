@@ -26,27 +26,15 @@ from server.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
     ChatStreamChoice,
-    DeltaFunctionCall,
     DeltaMessage,
-    DeltaToolCall,
-    FunctionCallResponse,
-    ResponseMessage,
-    ToolCallResponse,
     UsageInfo,
     now,
     random_id,
 )
 from server.routes.common import require_ready
 from server.streaming import SSE_HEADERS, sse, sse_body
-from server.tools import (
-    CallStreamer,
-    ToolPlan,
-    may_be_call,
-    new_call_id,
-    parse_tool_call,
-    partial_call,
-    plan_tools,
-)
+from server.chat_output import ChoiceStream, OutputFormat, answer
+from server.tools import plan_tools
 
 router = APIRouter()
 
@@ -106,39 +94,28 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     model = ctx.check_model(req.model)
     plan = plan_tools(req, ctx.settings)
     messages = to_template_messages(req.messages)
-    admitted = await admit(ctx, req, PromptSource(messages=messages, plan=plan))
+    admitted = await admit(ctx, req, PromptSource(messages=messages, plan=plan,
+                                                  template_kwargs=req.chat_template_kwargs))
     params = admitted.params
+    think = ctx.settings.think_format
+    fmt = OutputFormat(plan, think, think is not None and think.opened_by(admitted.requests[0].text or ""),
+                       ctx.settings.tool_call_parser)
     request_id = random_id("chatcmpl")
     streams = await start_requests(ctx.engine, request_id, admitted.requests, bool(req.stream),
                                    prompt_param="messages")
     top_n = req.top_logprobs or 0
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(ctx, params, plan, request_id, model, streams, top_n, include_usage)
+        body = _stream(ctx, params, fmt, request_id, model, streams, top_n, include_usage)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
-    return await until_disconnect(request, ctx, _full(ctx, params, plan, request_id, model, streams, top_n))
+    return await until_disconnect(request, ctx, _full(ctx, params, fmt, request_id, model, streams, top_n))
 
 
 def _decode_one(ctx: ServerContext):
     return ctx.inputs.decode_token
 
 
-def _answer(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[ResponseMessage, str | None]:
-    """A finished choice's message: a tool call when the plan reads calls and `text` is one.
-    A constrained call cut short keeps the engine's finish_reason ("length") and the arguments
-    so far, as OpenAI answers a truncated call (and as the stream of it showed)."""
-    call = parse_tool_call(text, plan.names) if plan.parses else None
-    if call is not None:
-        finish_reason = plan.finish_reason
-    elif plan.guided is not None:
-        call = partial_call(text, plan.names)
-    if call is None:
-        return ResponseMessage(content=text), finish_reason
-    tool_call = ToolCallResponse(id=new_call_id(), function=FunctionCallResponse(name=call[0], arguments=call[1]))
-    return ResponseMessage(content=None, tool_calls=[tool_call]), finish_reason
-
-
-async def _full(ctx: ServerContext, params: SamplingParams, plan: ToolPlan, request_id: str, model: str,
+async def _full(ctx: ServerContext, params: SamplingParams, fmt: OutputFormat, request_id: str, model: str,
                 streams: list[RequestStream], top_n: int) -> Response:
     try:
         (output,) = await collect(streams)
@@ -149,7 +126,7 @@ async def _full(ctx: ServerContext, params: SamplingParams, plan: ToolPlan, requ
             if params.logprobs is not None:
                 logprobs = ChatChoiceLogprobs(content=chat_logprobs(choice.logprobs or [], choice.token_ids,
                                                                     _decode_one(ctx), top_n))
-            message, finish_reason = _answer(plan, choice.text, choice.finish_reason)
+            message, finish_reason = answer(fmt, choice.text, choice.finish_reason)
             choices.append(ChatCompletionChoice(index=choice.index, message=message, logprobs=logprobs,
                                                 finish_reason=finish_reason, stop_reason=choice.stop_reason))
         prompt_tokens = len(output.prompt_token_ids)
@@ -164,70 +141,11 @@ async def _full(ctx: ServerContext, params: SamplingParams, plan: ToolPlan, requ
         release(ctx.engine, streams)
 
 
-class _ToolChoiceStream:
-    """One streamed choice of a request whose outputs are read as tool calls.
-
-    Constrained ("required" / named): the call's id and name go out once known, then argument
-    fragments (`CallStreamer`). "auto": text is held back while it could still be a whole call
-    (it starts with `{` or a fence); once it cannot, it streams as content; held-back text is
-    parsed at the end and sent as one tool-call delta, or as content."""
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self.plan = plan
-        self.calls = CallStreamer(plan.names) if plan.guided is not None else None
-        self.held = ""
-        self.content = False  # "auto": known to be plain text
-
-    def step(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """DeltaMessage fields for this delta, and the choice's finish_reason."""
-        if self.calls is not None:
-            return self._constrained(text, finish_reason)
-        if self.content:
-            return ({"content": text} if text else {}), finish_reason
-        self.held += text
-        if finish_reason is None:
-            if may_be_call(self.held):
-                return {}, None
-            self.content, held, self.held = True, self.held, ""
-            return {"content": held}, None
-        call = parse_tool_call(self.held, self.plan.names)
-        if call is None:
-            return ({"content": self.held} if self.held else {}), finish_reason
-        return {"tool_calls": [_delta_call(call[1], name=call[0])]}, self.plan.finish_reason
-
-    def _constrained(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        calls = self.calls
-        announced = calls.name is not None
-        name, fragment = calls.feed(text)
-        deltas = [_delta_call(fragment, name=name)] if name else ([_delta_call(fragment)] if fragment else [])
-        if finish_reason is None:
-            return ({"tool_calls": deltas} if deltas else {}), None
-        call, rest = calls.finish()
-        if calls.name is not None:
-            if rest:
-                if deltas:
-                    deltas[0].function.arguments += rest
-                else:
-                    deltas.append(_delta_call(rest))
-            return ({"tool_calls": deltas} if deltas else {}), (self.plan.finish_reason if call else finish_reason)
-        if call is not None:  # a call whose head the streamer could not read (not expected)
-            return {"tool_calls": [_delta_call(call[1], name=call[0])]}, self.plan.finish_reason
-        assert not announced
-        return ({"content": calls.text} if calls.text else {}), finish_reason
-
-
-def _delta_call(arguments: str, name: str | None = None) -> DeltaToolCall:
-    if name is None:
-        return DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=arguments))
-    return DeltaToolCall(index=0, id=new_call_id(), type="function",
-                         function=DeltaFunctionCall(name=name, arguments=arguments))
-
-
-def _stream(ctx: ServerContext, params: SamplingParams, plan: ToolPlan, request_id: str, model: str,
+def _stream(ctx: ServerContext, params: SamplingParams, fmt: OutputFormat, request_id: str, model: str,
             streams: list[RequestStream], top_n: int, include_usage: bool) -> AsyncIterator[str]:
     created = now()
     tracker = StreamTracker(params.n)
-    tool_streams: dict[int, _ToolChoiceStream] = {}
+    choice_streams: dict[int, ChoiceStream] = {}
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
         return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
@@ -242,10 +160,10 @@ def _stream(ctx: ServerContext, params: SamplingParams, plan: ToolPlan, request_
                     logprobs = ChatChoiceLogprobs(content=chat_logprobs(delta.logprobs or [], delta.token_ids,
                                                                         _decode_one(ctx), top_n))
                 role = "assistant" if delta.first else None
-                if not plan.parses:
+                if fmt.plain:
                     message, finish_reason = DeltaMessage(role=role, content=delta.text), delta.finish_reason
                 else:
-                    state = tool_streams.setdefault(delta.index, _ToolChoiceStream(plan))
+                    state = choice_streams.setdefault(delta.index, ChoiceStream(fmt))
                     fields, finish_reason = state.step(delta.text, delta.finish_reason)
                     if not (fields or role or finish_reason or logprobs):
                         continue
