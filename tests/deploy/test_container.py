@@ -119,9 +119,11 @@ def test_the_image_runs_as_non_root_and_is_healthy(container):
 
 
 def test_the_default_model_is_inside_the_image(container):
-    name, _ = container
-    listing = run("podman", "exec", name, "ls", "/opt/paged-serve/models/gguf", timeout=60).stdout
+    """Served as stored from the package's GGUF, its tokenizer converted at build time."""
+    name, url = container
+    listing = run("podman", "exec", name, "ls", "/opt/paged-serve/models/gguf-tokenizer", timeout=60).stdout
     assert "SmolLM2-135M-Instruct" in listing
+    assert httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
 
 
 def test_compose_brings_the_daemon_up_healthy(image):
