@@ -15,7 +15,8 @@ TINY = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_l
             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 _LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
                 "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):

@@ -25,7 +25,9 @@ import numpy as np
 import torch
 
 # GGUF architecture -> our model class name (engine/worker/models/llama.py)
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Architectures with an RMSNorm over each head of the queries and keys (blk.N.attn_q_norm / attn_k_norm)
+QK_NORM = ("qwen3",)
 # Architectures whose Q/K rows llama.cpp's convert_hf_to_gguf.py permuted (its `permute`), so
 # that its rotary pairs adjacent values; ours (HF's rotate_half) pairs the two halves of a head.
 PERMUTED_QK = ("llama",)
@@ -130,11 +132,11 @@ class GGUFConfig(SimpleNamespace):
         return dict(vars(self))
 
     def to_transformers(self):
-        from transformers import LlamaConfig, Qwen2Config
+        import transformers
 
         kwargs = self.to_dict()
-        cls = Qwen2Config if kwargs.pop("model_type") == "qwen2" else LlamaConfig
-        return cls(**kwargs)
+        cls = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}.get(kwargs.pop("model_type"), "LlamaConfig")
+        return getattr(transformers, cls)(**kwargs)
 
 
 class GGUFFile:
@@ -226,7 +228,7 @@ class GGUFFile:
             pad_token_id=self.value("tokenizer.ggml.padding_token_id"),
             architectures=[ARCHITECTURES[a]],
         )
-        config = GGUFConfig(model_type="qwen2" if a == "qwen2" else "llama", **kwargs)
+        config = GGUFConfig(model_type=a if a in ("qwen2", "qwen3") else "llama", **kwargs)
         self._check_tensors(config)
         return config
 
@@ -266,6 +268,8 @@ class GGUFFile:
                      b + "ffn_down.weight": (hidden, inter)}
             if config.attention_bias or config.model_type == "qwen2":
                 want |= {b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)}
+            if self.arch in QK_NORM:
+                want |= {b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)}
         for name, shape in want.items():
             info = self.tensors.get(name)
             if info is None:

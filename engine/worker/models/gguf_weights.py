@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.worker.models.gguf_file import PERMUTED_QK, GGUFFile
+from engine.worker.models.gguf_file import PERMUTED_QK, QK_NORM, GGUFFile
 from engine.worker.models.layers import RotaryEmbedding
 from engine.worker.models.registry import model_class
 from engine.worker.models.quant_linear import QUANTIZE_TYPES, QuantEmbedding, QuantLinear, QuantLMHead
@@ -83,6 +83,9 @@ def norm_tensors(config) -> dict[str, str]:
     for i in range(config.num_hidden_layers):
         names[f"blk.{i}.attn_norm.weight"] = f"model.layers.{i}.input_layernorm.weight"
         names[f"blk.{i}.ffn_norm.weight"] = f"model.layers.{i}.post_attention_layernorm.weight"
+        if config.model_type in QK_NORM:
+            names[f"blk.{i}.attn_q_norm.weight"] = f"model.layers.{i}.self_attn.q_norm.weight"
+            names[f"blk.{i}.attn_k_norm.weight"] = f"model.layers.{i}.self_attn.k_norm.weight"
     return names
 
 
