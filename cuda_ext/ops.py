@@ -201,7 +201,7 @@ def decoder_stack_available() -> bool:
 
 
 def decoder_stack(x: Tensor, positions: Tensor, weights: Sequence[Tensor], qkv_biases: Sequence[Tensor],
-                  final_norm: Tensor, cos: Tensor, sin: Tensor, key_caches: Sequence[Tensor],
+                  qk_norms: Sequence[Tensor], final_norm: Tensor, cos: Tensor, sin: Tensor, key_caches: Sequence[Tensor],
                   value_caches: Sequence[Tensor], slot_mapping: Tensor, prefill_tables: Tensor | None,
                   prefill_spans: Tensor | None, num_prefill_tokens: int, decode_tables: Tensor | None,
                   decode_lens: Tensor | None, max_decode_len: int, num_heads: int, num_kv_heads: int,
@@ -212,14 +212,15 @@ def decoder_stack(x: Tensor, positions: Tensor, weights: Sequence[Tensor], qkv_b
     floats, without the host work between them. ``x``: the embeddings ``[tokens, hidden]`` fp32
     (overwritten); ``weights``: per layer its input norm, qkv panels, o panels, post-attention
     norm, gate/up panels in pairs (:func:`linear_panels_silu_mul`), down panels; ``qkv_biases``:
-    none or one per layer. The products' weights may instead all be oneDNN's packed tensors, or
+    none or one per layer; ``qk_norms``: none, or per layer the query and the key norm applied to
+    each head before the rotary (Qwen3's). The products' weights may instead all be oneDNN's packed tensors, or
     all :func:`quant_pack`'s uint8 tensors (the dtype tells the stack: :func:`quant_matmul`, and
     gate/up a packed ``[gate | up]`` through :func:`quant_silu_mul`; x fp32 or bf16). Attention
     arguments as :func:`prefill_attention` (the first ``num_prefill_tokens`` rows) and
     :func:`paged_attention` (the others). Returns the normed
     hidden states of ``rows`` (int64 token indices; None: every token), ``[rows, hidden]``."""
     return torch.ops.paged_serve.decoder_stack(
-        x, positions, list(weights), list(qkv_biases), final_norm, cos, sin, list(key_caches), list(value_caches),
+        x, positions, list(weights), list(qkv_biases), list(qk_norms), final_norm, cos, sin, list(key_caches), list(value_caches),
         slot_mapping, prefill_tables, prefill_spans, num_prefill_tokens, decode_tables, decode_lens, max_decode_len,
         num_heads, num_kv_heads, intermediate_size, scale, eps, rows)
 

@@ -69,9 +69,10 @@ TORCH_LIBRARY(paged_serve, m) {
   m.def("prefill_attention_available() -> bool", &cpu::prefill_attention_available);
   // A Llama-family model's decoder layers and final norm over one step, in one call
   // (cpu/decoder_stack.cpp); CPU, fp32 with panels-packed weights, fp32 / bf16 with oneDNN's or with
-  // quant_pack's (uint8) weights.
-  // Overwrites x (and the caches).
-  m.def("decoder_stack(Tensor(a!) x, Tensor positions, Tensor[] weights, Tensor[] qkv_biases, Tensor final_norm, "
+  // quant_pack's (uint8) weights; qk_norms: none, or per layer the per-head query and key norms
+  // (Qwen3's). Overwrites x (and the caches).
+  m.def("decoder_stack(Tensor(a!) x, Tensor positions, Tensor[] weights, Tensor[] qkv_biases, Tensor[] qk_norms, "
+        "Tensor final_norm, "
         "Tensor cos, Tensor sin, Tensor(b!)[] key_caches, Tensor(c!)[] value_caches, Tensor slot_mapping, "
         "Tensor? prefill_tables, Tensor? prefill_spans, int num_prefill_tokens, Tensor? decode_tables, "
         "Tensor? decode_lens, int max_decode_len, int num_heads, int num_kv_heads, int intermediate_size, "
@@ -144,7 +145,8 @@ TORCH_LIBRARY_IMPL(paged_serve, Meta, m) {
   });
   m.impl("prefill_attention", [](at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, const at::Tensor&, double) {});
-  m.impl("decoder_stack", [](at::Tensor& x, const at::Tensor&, at::TensorList, at::TensorList, const at::Tensor&,
+  m.impl("decoder_stack", [](at::Tensor& x, const at::Tensor&, at::TensorList, at::TensorList, at::TensorList,
+                             const at::Tensor&,
                              const at::Tensor&, const at::Tensor&, at::TensorList, at::TensorList, const at::Tensor&,
                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t, int64_t,

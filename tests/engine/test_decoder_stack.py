@@ -156,7 +156,7 @@ def test_opcheck_and_refused_arguments(tmp_path):
     args = captured_call(tmp_path)
     lib = ops.compiled_library()
     as_op = list(args)
-    for i in (2, 3, 7, 8):  # tuples of tensors as lists
+    for i in (2, 3, 4, 8, 9):  # tuples of tensors as lists
         as_op[i] = list(as_op[i])
     torch.library.opcheck(lib.decoder_stack.default, tuple(as_op))
     bad = list(as_op)
@@ -164,6 +164,10 @@ def test_opcheck_and_refused_arguments(tmp_path):
     with pytest.raises(RuntimeError, match="6 weights and a key and a value cache per layer"):
         lib.decoder_stack(*bad)
     bad = list(as_op)
-    bad[12] = bad[0].shape[0] + 1  # more prompt tokens than tokens
+    bad[13] = bad[0].shape[0] + 1  # more prompt tokens than tokens
     with pytest.raises(RuntimeError, match="num_prefill_tokens"):
+        lib.decoder_stack(*bad)
+    bad = list(as_op)
+    bad[4] = [bad[5]]  # one q/k norm for two layers
+    with pytest.raises(RuntimeError, match="qk_norms must be empty or two per layer"):
         lib.decoder_stack(*bad)

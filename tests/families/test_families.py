@@ -79,3 +79,24 @@ def test_under_preemption(family, mode):
     outs = llm.generate(family[2] * 2, greedy())
     assert llm.engine.scheduler.num_preemptions[mode] > 0
     check(llm, family, outs, times=2)
+
+
+def test_the_compiled_stack_gives_the_python_layers_floats(family):
+    """Where the compiled decoder stack runs a family (Qwen3's per-head q/k norms included), every
+    forward pass gives the Python layers' hidden states and cache bit for bit."""
+    from engine.worker.models.decoder_stack import why_not
+    from tests.engine.test_decoder_stack import run_both_ways
+
+    name = family[0]
+    llm = make_llm(family, linear_kernel="panels")
+    runner = llm.engine.executor.runner
+    reason = why_not(runner.model, runner.device, 1)
+    if reason is not None:
+        pytest.skip(f"{name}: the compiled stack does not run it ({reason})")
+    engine = llm.engine
+    seen = run_both_ways(engine)
+    for k, ids in enumerate(family[2]):
+        engine.add_request(str(k), ids, greedy())
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert any(p and d for p, d, _, _ in seen) and any(cached for *_, cached in seen)  # prompts beside decodes

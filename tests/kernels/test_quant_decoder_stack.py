@@ -128,7 +128,7 @@ def stack_call(x, s, layers, final_norm, caches, cos, sin, rows, bias):
         weights += [w["in_norm"].to(x.dtype), w["packed"]["qkv"], w["packed"]["o"], w["post_norm"].to(x.dtype),
                     w["packed"]["gate_up"], w["packed"]["down"]]
     return ops.decoder_stack(
-        x, torch.tensor(s["positions"]), weights, [w["bias"].to(x.dtype) for w in layers] if bias else [],
+        x, torch.tensor(s["positions"]), weights, [w["bias"].to(x.dtype) for w in layers] if bias else [], [],
         final_norm.to(x.dtype), cos, sin, [c[0] for c in caches], [c[1] for c in caches], torch.tensor(s["slots"]),
         s["prefill_tables"], s["prefill_spans"], s["num_prefill"], s["decode_tables"], s["decode_lens"],
         s["max_decode_len"], HEADS, KV_HEADS, INTER, HEAD**-0.5, EPS, rows)

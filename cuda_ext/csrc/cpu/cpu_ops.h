@@ -55,11 +55,13 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
                        double scale);
 
 // Every decoder layer of a Llama-family model and its final RMSNorm over one step's tokens, in
-// one call (decoder_stack.cpp); CPU, weights packed for the panels, oneDNN or quant_pack. x (the
+// one call (decoder_stack.cpp); CPU, weights packed for the panels, oneDNN or quant_pack; qk_norms
+// empty or two per layer (query then key norm over each head, before the rotary). x (the
 // embeddings, [tokens, hidden]) is overwritten; returns the normed hidden states of `rows` (all
 // tokens without).
 at::Tensor decoder_stack(at::Tensor& x, const at::Tensor& positions, at::TensorList weights,
-                         at::TensorList qkv_biases, const at::Tensor& final_norm, const at::Tensor& cos,
+                         at::TensorList qkv_biases, at::TensorList qk_norms, const at::Tensor& final_norm,
+                         const at::Tensor& cos,
                          const at::Tensor& sin, at::TensorList key_caches, at::TensorList value_caches,
                          const at::Tensor& slot_mapping, const std::optional<at::Tensor>& prefill_tables,
                          const std::optional<at::Tensor>& prefill_spans, int64_t num_prefill_tokens,

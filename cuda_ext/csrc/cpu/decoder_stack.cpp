@@ -89,10 +89,20 @@ struct Products {
   }
 };
 
+// `x` ([T, heads, d], a strided view of the qkv product) normed per head by `weight` in place, as
+// engine/worker/models/layers.py's rms_norm_heads_ does it: through a contiguous copy.
+void norm_heads(at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor rows = x.reshape({-1, x.size(2)}).contiguous();
+  at::Tensor out = at::empty_like(rows);
+  rms_norm(out, rows, weight, eps);
+  x.copy_(out.view(x.sizes()));
+}
+
 }  // namespace
 
 at::Tensor decoder_stack(at::Tensor& x, const at::Tensor& positions, at::TensorList weights,
-                         at::TensorList qkv_biases, const at::Tensor& final_norm, const at::Tensor& cos,
+                         at::TensorList qkv_biases, at::TensorList qk_norms, const at::Tensor& final_norm,
+                         const at::Tensor& cos,
                          const at::Tensor& sin, at::TensorList key_caches, at::TensorList value_caches,
                          const at::Tensor& slot_mapping, const std::optional<at::Tensor>& prefill_tables,
                          const std::optional<at::Tensor>& prefill_spans, int64_t num_prefill_tokens,
@@ -107,6 +117,8 @@ at::Tensor decoder_stack(at::Tensor& x, const at::Tensor& positions, at::TensorL
            " weights and ", key_caches.size(), " / ", value_caches.size(), " caches");
   PS_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == layers, op,
            ": qkv_biases must be empty or one per layer, got ", qkv_biases.size());
+  PS_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers, op,
+           ": qk_norms must be empty or two per layer (query, key), got ", qk_norms.size());
   PS_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), op,
            ": x must be a contiguous CPU [tokens, hidden] tensor, got ", x.sizes());
   const Products products{kernel_of(weights[1])};
@@ -143,6 +155,10 @@ at::Tensor decoder_stack(at::Tensor& x, const at::Tensor& positions, at::TensorL
     at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, d});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, d});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, d});
+    if (!qk_norms.empty()) {  // as layers.rms_norm_heads_: each head's row normed, written back
+      norm_heads(q, qk_norms[2 * l], eps);
+      norm_heads(k, qk_norms[2 * l + 1], eps);
+    }
     rotary_embedding(positions, q, k, cos, sin);
     at::Tensor key_cache = key_caches[l], value_cache = value_caches[l];
     reshape_and_cache(k, v, key_cache, value_cache, slot_mapping);

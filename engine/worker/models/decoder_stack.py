@@ -12,7 +12,7 @@ It applies (`why_not` says why not otherwise) to a model on a CPU on one rank (n
 between the products), with the compiled ops' AVX2 + FMA kernels, the fused elementwise ops on,
 every linear layer on one kernel: the panels kernel in fp32 (gate/up packed in pairs), or
 oneDNN's packed weights in fp32 or bf16 (what `--dtype auto` takes where the CPU multiplies bf16
-natively), or GGUF-quantized weights (QuantLinear, fp32 or bf16 activations); biases on q/k/v at most, and a head size the prefill kernel takes; per step, to
+natively), or GGUF-quantized weights (QuantLinear, fp32 or bf16 activations); biases on q/k/v at most, per-head q/k norms (Qwen3) or none, and a head size the prefill kernel takes; per step, to
 metadata the CPU attention backend built (`applies`). Elsewhere, and with ``--no-fused-ops``,
 the layers run in Python.
 """
@@ -55,6 +55,7 @@ class CompiledDecoderStack:
     # down; the products' weights all panels (gate/up in pairs) or all oneDNN's packed tensors
     weights: tuple[Tensor, ...]
     qkv_biases: tuple[Tensor, ...]  # one per layer, or none
+    qk_norms: tuple[Tensor, ...]  # per layer the per-head query and key norms (Qwen3's), or none
     final_norm: Tensor
     cos: Tensor
     sin: Tensor
@@ -67,7 +68,7 @@ class CompiledDecoderStack:
     @classmethod
     def build(cls, model: LlamaModel) -> CompiledDecoderStack:
         """From a `LlamaModel` (the decoder, `LlamaForCausalLM.model`) that `why_not` accepts."""
-        weights, biases = [], []
+        weights, biases, qk_norms = [], [], []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights += [layer.input_layernorm.weight, _product_weight(attn.qkv_proj), _product_weight(attn.o_proj),
@@ -75,9 +76,12 @@ class CompiledDecoderStack:
                         _product_weight(mlp.down_proj)]
             if attn.qkv_proj.bias is not None:
                 biases.append(attn.qkv_proj.bias)
+            if hasattr(attn, "q_norm"):
+                qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
         first = model.layers[0]
         attn = first.self_attn
-        return cls(tuple(w.detach() for w in weights), tuple(b.detach() for b in biases), model.norm.weight.detach(),
+        return cls(tuple(w.detach() for w in weights), tuple(b.detach() for b in biases),
+                   tuple(n.detach() for n in qk_norms), model.norm.weight.detach(),
                    attn.rotary.cos, attn.rotary.sin, attn.num_heads, attn.num_kv_heads,
                    first.mlp.gate_up_proj.out_sizes[0], attn.attn.scale, first.input_layernorm.eps)
 
@@ -91,7 +95,7 @@ class CompiledDecoderStack:
         """`LlamaModel.forward` after the embedding: the normed hidden states of `rows` (None:
         every token). Overwrites x."""
         return ops.decoder_stack(
-            x, positions, self.weights, self.qkv_biases, self.final_norm, self.cos, self.sin,
+            x, positions, self.weights, self.qkv_biases, self.qk_norms, self.final_norm, self.cos, self.sin,
             [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping, meta.prefill_tables,
             meta.prefill_spans, meta.num_prefill_tokens, meta.decode_block_tables, meta.decode_context_lens,
             meta.max_decode_context_len, self.num_heads, self.num_kv_heads, self.intermediate_size, self.scale,
@@ -132,7 +136,8 @@ def why_not(model: nn.Module, device: torch.device, tp_size: int) -> str | None:
 
 def _why_not_layers(decoder: LlamaModel) -> str | None:
     """What the stack asks of every layer whatever its products' kernel: biases on q/k/v only,
-    the same on every layer, one rotary table, a head size the prefill kernel takes."""
+    the same on every layer, one rotary table, the same classes (per-head q/k norms on all or
+    none, with the layers' epsilon), a head size the prefill kernel takes."""
     first = decoder.layers[0].self_attn
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -140,6 +145,10 @@ def _why_not_layers(decoder: LlamaModel) -> str | None:
             return "a layer has biases besides q/k/v's"
         if (attn.qkv_proj.bias is None) != (first.qkv_proj.bias is None) or attn.rotary is not first.rotary:
             return "the layers differ in q/k/v biases or rotary tables"
+        if type(attn) is not type(first) or type(mlp) is not type(decoder.layers[0].mlp):
+            return "the layers differ in their attention or MLP classes"
+        if hasattr(attn, "q_norm") and not attn.q_norm.eps == attn.k_norm.eps == layer.input_layernorm.eps:
+            return "the per-head query / key norms' epsilon differs from the layers'"
     if first.head_size % 16:
         return f"head size {first.head_size} is not a multiple of 16 (the prefill kernel's)"
     return None

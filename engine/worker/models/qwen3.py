@@ -35,5 +35,4 @@ class Qwen3Model(LlamaModel):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    model_cls = Qwen3Model
-    compiled_stack_unsupported = "Qwen3's per-head query and key norms are not in the compiled stack"
+    model_cls = Qwen3Model  # the compiled decoder stack runs it (its qk_norms)
