@@ -12,6 +12,7 @@ import logging
 from torch import nn
 
 from engine.worker.models.llama import LlamaForCausalLM
+from engine.worker.models.olmo2 import Olmo2ForCausalLM
 from engine.worker.models.qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
