@@ -23,6 +23,13 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # NOTE: every 2nd layer NoPE: layers 0 and 2 rotate q/k, layer 1 does not (no_rope_layers
+    # [1, 0, 1]); embeddings tied, as SmolLM3's are by default. Weights of std 0.2, not HF's
+    # 0.02: at 0.02 attention is near-uniform and greedy tokens are the same with the rotary
+    # embedding on every layer, so the test would not see a NoPE layer rotated.
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                {"no_rope_layer_interval": 2, "tie_word_embeddings": True, "initializer_range": 0.2}),
 }
 
 

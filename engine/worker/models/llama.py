@@ -38,7 +38,9 @@ class LlamaAttention(nn.Module):
         self.head_size = getattr(config, "head_dim", None) or hidden // heads
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         self.qkv_proj = QKVParallelLinear(hidden, self.head_size, heads, kv_heads, bias=bias)
-        self.o_proj = RowParallelLinear(heads * self.head_size, hidden, bias=False)
+        # NOTE: HF Llama, Qwen3, OLMo 2 and SmolLM3 put `attention_bias` on o_proj too; Qwen2
+        # and Mistral configs have no such field (their o_proj has none).
+        self.o_proj = RowParallelLinear(heads * self.head_size, hidden, bias=getattr(config, "attention_bias", False))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5)
@@ -58,9 +60,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], feeds_silu_mul=True)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size)
+        inter, bias = config.intermediate_size, getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, feeds_silu_mul=True)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
         self.act = SiluAndMul()
 
     def forward(self, x):

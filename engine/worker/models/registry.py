@@ -12,7 +12,9 @@ import logging
 from torch import nn
 
 from engine.worker.models.llama import LlamaForCausalLM
+from engine.worker.models.olmo2 import Olmo2ForCausalLM
 from engine.worker.models.qwen3 import Qwen3ForCausalLM
+from engine.worker.models.smollm3 import SmolLM3ForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +22,10 @@ logger = logging.getLogger(__name__)
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 
@@ -58,9 +62,15 @@ def model_class(hf_config) -> type[nn.Module]:
 
 def sliding_window(hf_config) -> int | None:
     """The window of a config's sliding-window attention, or None when every layer attends to
-    the whole context (Qwen2/Qwen3 configs carry a window that `use_sliding_window` turns off)."""
+    the whole context: Qwen2/Qwen3/SmolLM3 configs carry a window that `use_sliding_window`
+    turns off, and where a config lists `layer_types` (Qwen2/Qwen3's `max_window_layers`,
+    SmolLM3's), only a layer of type "sliding_attention" uses the window (a config without the
+    list, Mistral's, uses it on every layer)."""
     window = getattr(hf_config, "sliding_window", None)
     if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
         return None
     return int(window)
 
