@@ -69,7 +69,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return packed.silu_mul(x)
         return None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """Shard `shard_id` of the checkpoint (e.g. 1: the whole `up_proj`), or with None the
+        checkpoint's own fused tensor (all parts stacked in order, as Phi-3's `gate_up_proj`),
+        split into its parts, each cut for this rank."""
+        if shard_id is None:
+            for i, part in enumerate(loaded.split(self.out_sizes, dim=0)):
+                self.weight_loader(param, part, i)
+            return
         offset = sum(self.out_sizes[:shard_id]) // self.tp_size
         size = self.out_sizes[shard_id] // self.tp_size
         param.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
@@ -89,7 +96,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp
         super().__init__(hidden, (num_heads + 2 * num_kv_heads) * head_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None) -> None:
+        """Shard "q", "k" or "v" of the checkpoint (the whole projection), or with None the
+        checkpoint's own fused [q; k; v] tensor (Phi-3's `qkv_proj`), split into the three,
+        each cut for this rank's heads."""
+        if shard_id is None:
+            # NOTE: the checkpoint's sizes are all ranks' heads; this layer holds 1/tp of them
+            q_all = self.num_heads * self.tp_size * self.head_size
+            kv_all = self.num_kv_heads * self.tp_size * self.head_size
+            for part, sid in zip(loaded.split([q_all, kv_all, kv_all], dim=0), "qkv"):
+                self.weight_loader(param, part, sid)
+            return
         q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         param.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
