@@ -132,7 +132,8 @@ def why_not(model: nn.Module, device: torch.device, tp_size: int) -> str | None:
 
 def _why_not_layers(decoder: LlamaModel) -> str | None:
     """What the stack asks of every layer whatever its products' kernel: biases on q/k/v only,
-    the same on every layer, one rotary table, a head size the prefill kernel takes."""
+    the same on every layer, one rotary table over whole heads, a head size the prefill kernel
+    takes."""
     first = decoder.layers[0].self_attn
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -140,6 +141,8 @@ def _why_not_layers(decoder: LlamaModel) -> str | None:
             return "a layer has biases besides q/k/v's"
         if (attn.qkv_proj.bias is None) != (first.qkv_proj.bias is None) or attn.rotary is not first.rotary:
             return "the layers differ in q/k/v biases or rotary tables"
+    if first.rotary.rotary_dim != first.head_size:
+        return "partial rotary (part of each head rotated) is not in the compiled stack"
     if first.head_size % 16:
         return f"head size {first.head_size} is not a multiple of 16 (the prefill kernel's)"
     return None

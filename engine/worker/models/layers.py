@@ -200,29 +200,58 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (rotate-half layout, as HF Llama), with the config's theta and
     scaling. Inverse frequencies come from transformers' own RoPE initialisers, so every scaling
-    type HF supports (linear, dynamic, llama3, yarn, ...) matches it exactly."""
+    type HF supports (linear, dynamic, llama3, yarn, ...) matches it exactly.
+
+    Partial rotary (`partial_rotary_factor` < 1, Phi-4-mini's 0.75): only the first
+    `rotary_dim = int(head_size * factor)` features of each head rotate, in rotate-half layout
+    over those alone; the rest pass through (HF's apply_rotary_pos_emb). The tables are
+    [max_positions, rotary_dim]."""
 
     def __init__(self, hf_config, head_size: int, max_positions: int):
         super().__init__()
-        inv_freq, scaling = _rope_inv_freq(hf_config, head_size)
+        self.rotary_dim = rotary_dim(hf_config, head_size)
+        inv_freq, scaling = _rope_inv_freq(hf_config, self.rotary_dim)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(t.device))  # HF's initialisers build it on the CPU
         emb = torch.cat((freqs, freqs), dim=-1)
+        if emb.shape[-1] != self.rotary_dim:
+            raise ValueError(f"rotary tables of width {emb.shape[-1]} for a rotary dimension of {self.rotary_dim}")
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
         self.fused = False
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Rotates q: [T, heads, d] and k: [T, kv_heads, d] in place (views of the qkv output)."""
+        """Rotates q: [T, heads, d] and k: [T, kv_heads, d] in place (views of the qkv output);
+        with partial rotary, their first `rotary_dim` features of each head only."""
+        if self.rotary_dim != q.shape[-1]:
+            # NOTE: views again (last dim contiguous, head and token strides kept), which both the
+            # compiled op and the torch one rotate in place
+            q, k = q[..., : self.rotary_dim], k[..., : self.rotary_dim]
         ops.rotary_embedding(positions, q, k, self.cos, self.sin, compiled=self.fused)
 
 
-def _rope_inv_freq(hf_config, head_size: int) -> tuple[torch.Tensor, float]:
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+def rope_parameters(hf_config) -> dict:
+    """The config's RoPE parameters (transformers 5's `rope_parameters`, or the older
+    `rope_scaling`); {} when it has neither."""
+    return getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+
+
+def rotary_dim(hf_config, head_size: int) -> int:
+    """How many features of each head rotate: int(head_size * partial_rotary_factor), as HF
+    computes it (the factor from the RoPE parameters, else the config's own field, else 1)."""
+    factor = rope_parameters(hf_config).get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(hf_config, "partial_rotary_factor", None)
+    return head_size if factor is None else int(head_size * factor)
+
+
+def _rope_inv_freq(hf_config, dim: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim / 2], cos/sin scaling) for a rotary dimension of `dim`."""
+    params = rope_parameters(hf_config)
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     if rope_type == "default":
-        inv = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         return inv, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
