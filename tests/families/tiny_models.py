@@ -23,6 +23,10 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    # fused qkv_proj / gate_up_proj in the checkpoint
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    # and rotary over the first 12 of each head's 16 features, the LM head tied (as Phi-4-mini)
+    "phi4mini": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.75, "tie_word_embeddings": True}),
 }
 
 
