@@ -27,6 +27,9 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
     # and rotary over the first 12 of each head's 16 features, the LM head tied (as Phi-4-mini)
     "phi4mini": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.75, "tie_word_embeddings": True}),
+    # each multiplier away from 1 and the attention scale away from head_dim ** -0.5 (0.25)
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 6.0, "attention_multiplier": 0.6,
+                                                        "residual_multiplier": 0.4, "logits_scaling": 3.0}),
 }
 
 

@@ -11,6 +11,7 @@ import logging
 
 from torch import nn
 
+from engine.worker.models.granite import GraniteForCausalLM
 from engine.worker.models.layers import rope_parameters
 from engine.worker.models.llama import LlamaForCausalLM
 from engine.worker.models.phi3 import Phi3ForCausalLM
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 # architecture name (a config's `architectures`) -> model class
 ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
