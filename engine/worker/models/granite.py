@@ -27,7 +27,8 @@ class GraniteAttention(LlamaAttention):
 
     def __init__(self, config, rotary: RotaryEmbedding, layer_idx: int = 0):
         super().__init__(config, rotary, layer_idx)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, float(config.attention_multiplier))
+        scale = float(config.attention_multiplier)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, scale)
         self.residual_multiplier = float(config.residual_multiplier)
 
     def forward(self, positions, x, meta: AttentionMetadata, kv_cache, rows=None):
