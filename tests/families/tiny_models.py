@@ -15,7 +15,12 @@ import torch
 VOCAB = 512
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
-              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+              # NOTE: HF's default init (std 0.02) leaves a model this small attending almost
+              # uniformly, where greedy tokens do not see the attention's scale or which features
+              # rotate; at 0.1 they do (a full-head rotary for Phi-4-mini's partial one, or
+              # Llama's scale for Granite's, changes every prompt's tokens)
+              initializer_range=0.1)
 
 # family -> (transformers config class, model class, config overrides)
 FAMILIES: dict[str, tuple[str, str, dict]] = {
@@ -30,6 +35,13 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     # embedding on every layer, so the test would not see a NoPE layer rotated.
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
                 {"no_rope_layer_interval": 2, "tie_word_embeddings": True, "initializer_range": 0.2}),
+    # fused qkv_proj / gate_up_proj in the checkpoint
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    # and rotary over the first 12 of each head's 16 features, the LM head tied (as Phi-4-mini)
+    "phi4mini": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.75, "tie_word_embeddings": True}),
+    # each multiplier away from 1 and the attention scale away from head_dim ** -0.5 (0.25)
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {
+        "embedding_multiplier": 6.0, "attention_multiplier": 0.6, "residual_multiplier": 0.4, "logits_scaling": 3.0}),
 }
 
 

@@ -136,8 +136,8 @@ def why_not(model: nn.Module, device: torch.device, tp_size: int) -> str | None:
 
 def _why_not_layers(decoder: LlamaModel) -> str | None:
     """What the stack asks of every layer whatever its products' kernel: biases on q/k/v only,
-    the same on every layer, one rotary table, the same classes (per-head q/k norms on all or
-    none, with the layers' epsilon), a head size the prefill kernel takes."""
+    the same on every layer, one rotary table over whole heads, the same classes (per-head q/k
+    norms on all or none, with the layers' epsilon), a head size the prefill kernel takes."""
     first = decoder.layers[0].self_attn
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -149,6 +149,8 @@ def _why_not_layers(decoder: LlamaModel) -> str | None:
             return "the layers differ in their attention or MLP classes"
         if hasattr(attn, "q_norm") and not attn.q_norm.eps == attn.k_norm.eps == layer.input_layernorm.eps:
             return "the per-head query / key norms' epsilon differs from the layers'"
+    if first.rotary.rotary_dim != first.head_size:
+        return "partial rotary (part of each head rotated) is not in the compiled stack"
     if first.head_size % 16:
         return f"head size {first.head_size} is not a multiple of 16 (the prefill kernel's)"
     return None

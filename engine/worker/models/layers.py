@@ -69,7 +69,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return packed.silu_mul(x)
         return None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """Shard `shard_id` of the checkpoint (e.g. 1: the whole `up_proj`), or with None the
+        checkpoint's own fused tensor (all parts stacked in order, as Phi-3's `gate_up_proj`),
+        split into its parts, each cut for this rank."""
+        if shard_id is None:
+            for i, part in enumerate(loaded.split(self.out_sizes, dim=0)):
+                self.weight_loader(param, part, i)
+            return
         offset = sum(self.out_sizes[:shard_id]) // self.tp_size
         size = self.out_sizes[shard_id] // self.tp_size
         param.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
@@ -89,7 +96,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp
         super().__init__(hidden, (num_heads + 2 * num_kv_heads) * head_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None) -> None:
+        """Shard "q", "k" or "v" of the checkpoint (the whole projection), or with None the
+        checkpoint's own fused [q; k; v] tensor (Phi-3's `qkv_proj`), split into the three,
+        each cut for this rank's heads."""
+        if shard_id is None:
+            # NOTE: the checkpoint's sizes are all ranks' heads; this layer holds 1/tp of them
+            q_all = self.num_heads * self.tp_size * self.head_size
+            kv_all = self.num_kv_heads * self.tp_size * self.head_size
+            for part, sid in zip(loaded.split([q_all, kv_all, kv_all], dim=0), "qkv"):
+                self.weight_loader(param, part, sid)
+            return
         q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         param.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
@@ -183,29 +200,58 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (rotate-half layout, as HF Llama), with the config's theta and
     scaling. Inverse frequencies come from transformers' own RoPE initialisers, so every scaling
-    type HF supports (linear, dynamic, llama3, yarn, ...) matches it exactly."""
+    type HF supports (linear, dynamic, llama3, yarn, ...) matches it exactly.
+
+    Partial rotary (`partial_rotary_factor` < 1, Phi-4-mini's 0.75): only the first
+    `rotary_dim = int(head_size * factor)` features of each head rotate, in rotate-half layout
+    over those alone; the rest pass through (HF's apply_rotary_pos_emb). The tables are
+    [max_positions, rotary_dim]."""
 
     def __init__(self, hf_config, head_size: int, max_positions: int):
         super().__init__()
-        inv_freq, scaling = _rope_inv_freq(hf_config, head_size)
+        self.rotary_dim = rotary_dim(hf_config, head_size)
+        inv_freq, scaling = _rope_inv_freq(hf_config, self.rotary_dim)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(t.device))  # HF's initialisers build it on the CPU
         emb = torch.cat((freqs, freqs), dim=-1)
+        if emb.shape[-1] != self.rotary_dim:
+            raise ValueError(f"rotary tables of width {emb.shape[-1]} for a rotary dimension of {self.rotary_dim}")
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
         self.fused = False
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Rotates q: [T, heads, d] and k: [T, kv_heads, d] in place (views of the qkv output)."""
+        """Rotates q: [T, heads, d] and k: [T, kv_heads, d] in place (views of the qkv output);
+        with partial rotary, their first `rotary_dim` features of each head only."""
+        if self.rotary_dim != q.shape[-1]:
+            # NOTE: views again (last dim contiguous, head and token strides kept), which both the
+            # compiled op and the torch one rotate in place
+            q, k = q[..., : self.rotary_dim], k[..., : self.rotary_dim]
         ops.rotary_embedding(positions, q, k, self.cos, self.sin, compiled=self.fused)
 
 
-def _rope_inv_freq(hf_config, head_size: int) -> tuple[torch.Tensor, float]:
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+def rope_parameters(hf_config) -> dict:
+    """The config's RoPE parameters (transformers 5's `rope_parameters`, or the older
+    `rope_scaling`); {} when it has neither."""
+    return getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+
+
+def rotary_dim(hf_config, head_size: int) -> int:
+    """How many features of each head rotate: int(head_size * partial_rotary_factor), as HF
+    computes it (the factor from the RoPE parameters, else the config's own field, else 1)."""
+    factor = rope_parameters(hf_config).get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(hf_config, "partial_rotary_factor", None)
+    return head_size if factor is None else int(head_size * factor)
+
+
+def _rope_inv_freq(hf_config, dim: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim / 2], cos/sin scaling) for a rotary dimension of `dim`."""
+    params = rope_parameters(hf_config)
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     if rope_type == "default":
-        inv = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         return inv, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

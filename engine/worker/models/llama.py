@@ -8,7 +8,9 @@ Qwen2 differs only by biases on q/k/v, Mistral not at all (no sliding window her
 Another family subclasses what differs and names it in a class attribute one level up:
 `LlamaDecoderLayer.attention_cls` / `.mlp_cls`, `LlamaModel.layer_cls`,
 `LlamaForCausalLM.model_cls`. A subclass that the compiled decoder stack does not compute sets
-`LlamaForCausalLM.compiled_stack_unsupported` to the reason, which the start-up log prints.
+`LlamaForCausalLM.compiled_stack_unsupported` to the reason, which the start-up log prints. Two
+hooks take the rest: `LlamaModel.embed` (what the first layer takes) and
+`LlamaForCausalLM.config_refusal` (config fields the family does not implement).
 """
 
 from __future__ import annotations
@@ -109,8 +111,13 @@ class LlamaModel(nn.Module):
         # floats (engine/worker/models/decoder_stack.py sets it; None: layer by layer).
         self.compiled_stack = None
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The hidden states the first layer takes: the token embeddings (a family that scales
+        them overrides this)."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids, positions, meta, kv_caches, rows=None):
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         stack = self.compiled_stack
         if stack is not None and stack.applies(meta, kv_caches):
             return stack(x, positions, meta, kv_caches, rows)
@@ -135,6 +142,12 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+
+    @classmethod
+    def config_refusal(cls, config) -> str | None:
+        """Why this class cannot serve `config` exactly (one line naming the field), or None.
+        registry.check_config raises it before any weight is read; a family overrides it."""
+        return None
 
     def __init__(self, config, max_positions: int):
         super().__init__()

@@ -11,8 +11,11 @@ import logging
 
 from torch import nn
 
+from engine.worker.models.granite import GraniteForCausalLM
+from engine.worker.models.layers import rope_parameters
 from engine.worker.models.llama import LlamaForCausalLM
 from engine.worker.models.olmo2 import Olmo2ForCausalLM
+from engine.worker.models.phi3 import Phi3ForCausalLM
 from engine.worker.models.qwen3 import Qwen3ForCausalLM
 from engine.worker.models.smollm3 import SmolLM3ForCausalLM
 
@@ -20,9 +23,11 @@ logger = logging.getLogger(__name__)
 
 # architecture name (a config's `architectures`) -> model class
 ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
@@ -82,9 +87,19 @@ def check_config(hf_config, max_model_len: int, max_model_len_asked: bool) -> in
     attention, so a model with a window of W tokens is served with a context of at most W (as
     vLLM served such models on backends without windowed attention) rather than silently
     attending past its window: a longer --max-model-len is refused, the model's default is cut
-    to W with a log line."""
+    to W with a log line.
+
+    NOTE: likewise "longrope" (Phi-3 128k, Phi-4-mini): HF rotates with its short factors while
+    a sequence is within original_max_position_embeddings (O) and past O re-rotates the whole
+    context with its long factors (dropping the KV cache, `Phi3ForCausalLM.
+    prepare_inputs_for_generation`), which a paged cache written token by token cannot do. So it
+    is served within O, with the short factors (RotaryEmbedding's, exactly HF's there): a
+    longer --max-model-len is refused naming the field, the model's default is cut to O."""
     arch = architecture(hf_config)
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    why = model_class(hf_config).config_refusal(hf_config)
+    if why is not None:
+        raise UnsupportedModelError(why)
+    rope = rope_parameters(hf_config)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -92,6 +107,8 @@ def check_config(hf_config, max_model_len: int, max_model_len_asked: bool) -> in
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise UnsupportedModelError(f"rope_type {rope_type!r} of {arch} is not one we compute; known: "
                                         f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+    if rope_type == "longrope":
+        max_model_len = _within_longrope_short_range(hf_config, rope, arch, max_model_len, max_model_len_asked)
     window = sliding_window(hf_config)
     if window is not None and window < max_model_len:
         if max_model_len_asked:
@@ -103,3 +120,22 @@ def check_config(hf_config, max_model_len: int, max_model_len_asked: bool) -> in
                     "context's)", max_model_len, window, arch)
         return window
     return max_model_len
+
+
+def _within_longrope_short_range(hf_config, rope: dict, arch: str, max_model_len: int, asked: bool) -> int:
+    """The max_model_len that keeps a longrope model on its short factors (check_config's NOTE)."""
+    original = rope.get("original_max_position_embeddings") or getattr(hf_config, "original_max_position_embeddings",
+                                                                       None)
+    if original is None:
+        raise UnsupportedModelError(f"rope_type 'longrope' of {arch} without original_max_position_embeddings")
+    original = int(original)
+    if max_model_len <= original:
+        return max_model_len
+    if asked:
+        raise UnsupportedModelError(
+            f"max_model_len {max_model_len} exceeds the model's original_max_position_embeddings {original}: {arch}'s "
+            f"rope_type 'longrope' is served only with its short factors, within that length; pass --max-model-len "
+            f"{original} or less")
+    logger.info("max_model_len %d -> %d: %s's longrope is served with its short factors, within "
+                "original_max_position_embeddings", max_model_len, original, arch)
+    return original
