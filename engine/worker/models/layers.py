@@ -183,11 +183,13 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (rotate-half layout, as HF Llama), with the config's theta and
     scaling. Inverse frequencies come from transformers' own RoPE initialisers, so every scaling
-    type HF supports (linear, dynamic, llama3, yarn, ...) matches it exactly."""
+    type HF supports (linear, dynamic, llama3, yarn, ...) matches it exactly. `layer_type`: the
+    key of a config whose `rope_parameters` are per layer type (Gemma 3's "sliding_attention" /
+    "full_attention"); None: the config's one set of parameters."""
 
-    def __init__(self, hf_config, head_size: int, max_positions: int):
+    def __init__(self, hf_config, head_size: int, max_positions: int, layer_type: str | None = None):
         super().__init__()
-        inv_freq, scaling = _rope_inv_freq(hf_config, head_size)
+        inv_freq, scaling = _rope_inv_freq(hf_config, head_size, layer_type)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(t.device))  # HF's initialisers build it on the CPU
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -200,8 +202,10 @@ class RotaryEmbedding(nn.Module):
         ops.rotary_embedding(positions, q, k, self.cos, self.sin, compiled=self.fused)
 
 
-def _rope_inv_freq(hf_config, head_size: int) -> tuple[torch.Tensor, float]:
+def _rope_inv_freq(hf_config, head_size: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     if rope_type == "default":
@@ -214,7 +218,8 @@ def _rope_inv_freq(hf_config, head_size: int) -> tuple[torch.Tensor, float]:
     # NOTE: on the CPU whatever the default device: some initialisers make tensors without one,
     # and one built on the meta device (a model built without memory) has no values to read
     with torch.device("cpu"):
-        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        kw = {} if layer_type is None else {"layer_type": layer_type}
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", **kw)
     return inv.float(), float(scaling)
 
 

@@ -7,17 +7,17 @@ for nothing its family's class does not implement (`check_config`).
 
 from __future__ import annotations
 
-import logging
-
 from torch import nn
 
-from engine.worker.models.llama import LlamaForCausalLM
+from engine.worker.models.gemma import GELU_TANH, Gemma2ForCausalLM
+from engine.worker.models.gemma3 import Gemma3ForCausalLM
+from engine.worker.models.llama import LlamaForCausalLM, config_sliding_window
 from engine.worker.models.qwen3 import Qwen3ForCausalLM
-
-logger = logging.getLogger(__name__)
 
 # architecture name (a config's `architectures`) -> model class
 ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -58,38 +58,57 @@ def model_class(hf_config) -> type[nn.Module]:
 
 def sliding_window(hf_config) -> int | None:
     """The window of a config's sliding-window attention, or None when every layer attends to
-    the whole context (Qwen2/Qwen3 configs carry a window that `use_sliding_window` turns off)."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
+    the whole context (Qwen2/Qwen3 configs carry a window that `use_sliding_window` turns off).
+    Which layers it applies to: llama.layer_sliding_window."""
+    return config_sliding_window(hf_config)
+
+
+# The layer types (a config's `layer_types`) whose attention we compute.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def check_config(hf_config, max_model_len: int, max_model_len_asked: bool) -> int:
-    """Check what `hf_config` asks of its family's class; returns the max_model_len to serve.
+    """Check what `hf_config` asks of its family's class (UnsupportedModelError naming the field
+    otherwise); returns the max_model_len to serve.
 
-    NOTE: attention here reads every earlier token. Within a sliding window that is the same
-    attention, so a model with a window of W tokens is served with a context of at most W (as
-    vLLM served such models on backends without windowed attention) rather than silently
-    attending past its window: a longer --max-model-len is refused, the model's default is cut
-    to W with a log line."""
+    NOTE: every family's attention honours a sliding window per layer (PagedAttention's
+    `sliding_window`, set by llama.layer_sliding_window), so a window no longer cuts the context
+    (it used to be served within one window, where attending to all was the window's attention).
+    `max_model_len_asked` stays for checks that depend on it."""
     arch = architecture(hf_config)
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        if rope_type not in ROPE_INIT_FUNCTIONS:
-            raise UnsupportedModelError(f"rope_type {rope_type!r} of {arch} is not one we compute; known: "
-                                        f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
-    window = sliding_window(hf_config)
-    if window is not None and window < max_model_len:
-        if max_model_len_asked:
-            raise UnsupportedModelError(
-                f"max_model_len {max_model_len} exceeds the model's sliding_window {window}: {arch}'s sliding-window "
-                f"attention is served only within one window here; pass --max-model-len {window} or less"
-            )
-        logger.info("max_model_len %d -> %d: %s's sliding_window (attention within one window is the whole "
-                    "context's)", max_model_len, window, arch)
-        return window
+    _check_rope(hf_config, arch)
+    types = getattr(hf_config, "layer_types", None)
+    unknown = sorted(set(types or ()) - set(LAYER_TYPES))
+    if unknown:
+        raise UnsupportedModelError(f"layer_types {', '.join(unknown)} of {arch} are not attention we compute; "
+                                    f"known: {', '.join(LAYER_TYPES)}")
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        _check_gemma(hf_config, arch)
     return max_model_len
+
+
+def _check_rope(hf_config, arch: str) -> None:
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    # NOTE: Gemma 3's rope_parameters hold one set per layer type
+    sets = list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    for params in sets:
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise UnsupportedModelError(f"rope_type {rope_type!r} of {arch} is not one we compute; known: "
+                                            f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+
+
+def _check_gemma(hf_config, arch: str) -> None:
+    """What engine/worker/models/gemma.py does not compute: another MLP activation, attention
+    biases (HF's Gemma puts one on o_proj too), bidirectional attention."""
+    act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", None)
+    if act not in GELU_TANH:
+        raise UnsupportedModelError(f"hidden_activation {act!r} of {arch} is not one we compute; known: "
+                                    f"{', '.join(GELU_TANH)}")
+    if getattr(hf_config, "attention_bias", False):
+        raise UnsupportedModelError(f"attention_bias true of {arch} is not served (biases on q/k/v/o)")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(f"use_bidirectional_attention true of {arch} is not served (causal only)")
