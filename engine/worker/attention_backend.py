@@ -4,7 +4,9 @@ slots (`build_metadata`), and how one layer attends with it (`forward`). The mod
 varlen prefill kernel, say) replaces the per-sequence SDPA loop without touching the model runner
 or the model. `TorchPagedBackend` is the portable one: for prefills the compiled one-call
 `prefill_attention` op on a CPU (fp32, bf16), SDPA per sequence elsewhere; the compiled
-`paged_attention` op for decodes; every cache access through `cuda_ext.ops`.
+`paged_attention` op for decodes; every cache access through `cuda_ext.ops`. A layer with a
+sliding window or a logit soft-cap (`PagedAttention.sliding_window` / `.logit_softcap`), which
+those kernels do not compute, attends in torch (engine/worker/window_attention.py) instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from cuda_ext import ops
+from engine.worker.window_attention import attend, first_block
 
 if TYPE_CHECKING:
     from engine.core.step import SeqInput
@@ -51,6 +54,8 @@ class AttentionMetadata:
     # [num_prefills, max_blocks] int32.
     prefill_spans: torch.Tensor | None = None
     prefill_tables: torch.Tensor | None = None
+    # The longest context (cached + new tokens) of any sequence in this step; None: unknown.
+    max_context_len: int | None = None
 
 
 class AttentionBackend(ABC):
@@ -83,7 +88,7 @@ class TorchPagedBackend(AttentionBackend):
         on_cpu = dev.type == "cpu"
         spans = array("i")
         prefill_tables: list = []
-        row = 0
+        row = longest = 0
         for s in seqs:
             table, start = s.block_table, s.start
             n = len(s.token_ids)
@@ -103,8 +108,10 @@ class TorchPagedBackend(AttentionBackend):
                 decode_lens.append(start + n)
                 decode_rows.append(s.block_row)
             row += n
+            longest = max(longest, start + n)
         meta = AttentionMetadata(self, _tensor(slots, torch.int64, dev), prefills,
-                                 prefills[-1].end if prefills else 0, None, None, max(decode_lens, default=0))
+                                 prefills[-1].end if prefills else 0, None, None, max(decode_lens, default=0),
+                                 max_context_len=longest)
         if prefill_tables:
             meta.prefill_spans = torch.frombuffer(spans, dtype=torch.int32).view(-1, 3)
             meta.prefill_tables = _table_matrix(prefill_tables, dev)
@@ -126,6 +133,9 @@ class TorchPagedBackend(AttentionBackend):
         key_cache, value_cache = kv_cache
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(q)
+        if not _kernels_apply(layer, meta):
+            self._attend_exact(layer, q, k, v, meta, key_cache, value_cache, out)
+            return out
         P = meta.num_prefill_tokens
         if meta.prefill_spans is not None and _prefill_kernel_applies(q, key_cache):
             ops.prefill_attention(out[:P], q[:P], key_cache, value_cache, meta.prefill_tables, meta.prefill_spans,
@@ -150,6 +160,42 @@ class TorchPagedBackend(AttentionBackend):
                     table = meta.prefill_tables[i]
                 ks, vs = ops.gather_cached_kv(key_cache, value_cache, table, span.num_cached + span.end - span.start)
             out[span.start : span.end] = _prefill(qs, ks, vs, span.num_cached, layer.scale)
+
+
+    @staticmethod
+    def _attend_exact(layer, q, k, v, meta: AttentionMetadata, key_cache, value_cache, out) -> None:
+        """Every prefill span and decode in torch with the layer's window and soft-cap, each
+        sequence's cached K/V gathered through its block table (only the blocks its window
+        reaches; a fresh prompt reads its own rows of k/v). The step's K/V are already cached."""
+        window, cap, scale, bs = layer.sliding_window, layer.logit_softcap, layer.scale, key_cache.shape[2]
+        for i, span in enumerate(meta.prefills):
+            rows = slice(span.start, span.end)
+            if span.num_cached == 0:
+                ks, vs, k_start = k[rows], v[rows], 0
+            else:
+                table = span.block_table if span.block_table is not None else meta.prefill_tables[i]
+                b = first_block(span.num_cached, window, bs)
+                ks, vs = ops.gather_cached_kv(key_cache, value_cache, table[b:],
+                                              span.num_cached + span.end - span.start - b * bs)
+                k_start = b * bs
+            out[rows] = attend(q[rows], ks, vs, span.num_cached, k_start, scale, window, cap)
+        P = meta.num_prefill_tokens
+        if P == q.shape[0]:
+            return
+        for j, ctx in enumerate(meta.decode_context_lens.tolist()):
+            b = first_block(ctx - 1, window, bs)
+            ks, vs = ops.gather_cached_kv(key_cache, value_cache, meta.decode_block_tables[j, b:], ctx - b * bs)
+            out[P + j:P + j + 1] = attend(q[P + j:P + j + 1], ks, vs, ctx - 1, b * bs, scale, window, cap)
+
+
+def _kernels_apply(layer, meta: AttentionMetadata) -> bool:
+    """Whether the compiled kernels compute this layer's attention for this step: it has no
+    soft-cap, and no window or one that no sequence of the step outgrows (a context of at most
+    W tokens sees all of them within the window)."""
+    if getattr(layer, "logit_softcap", None) is not None:
+        return False
+    window = getattr(layer, "sliding_window", None)
+    return window is None or (meta.max_context_len is not None and meta.max_context_len <= window)
 
 
 def _table_matrix(tables: list, device: torch.device) -> torch.Tensor:

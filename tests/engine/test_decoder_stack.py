@@ -30,7 +30,8 @@ pytestmark = pytest.mark.skipif(
 
 def tiny_engine(tmp_path: Path, bias: bool = False, **kwargs) -> LLMEngine:
     config = json.loads((REPO / "configs/models/tiny-4kv.json").read_text())
-    config["attention_bias"] = bias
+    if bias:  # biases on q/k/v only: Qwen2's (Llama's attention_bias puts one on o_proj too)
+        config |= {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(config))
     args = dict(model=str(path), load_format="dummy", dtype="float32", linear_kernel="panels", max_model_len=512,

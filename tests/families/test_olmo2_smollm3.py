@@ -83,14 +83,14 @@ def test_biases_on_o_proj_and_the_mlp_are_applied(tmp_path, tokenizer_dir, famil
 
 def test_smollm3_sliding_window_is_read_from_its_config():
     """Off by default (use_sliding_window False); on, the NoPE layers are "sliding_attention"
-    and the context is served within one window; a `layer_types` of full layers only (as HF
+    (their attention windowed; the context is not cut); a `layer_types` of full layers only (as HF
     reads it) needs none, nor does Qwen3's window below max_window_layers."""
     default = build("smollm3").config
     assert default.sliding_window is None and sliding_window(default) is None
     assert check_config(default, 128, max_model_len_asked=True) == 128
     on = build("smollm3", use_sliding_window=True, sliding_window=24).config
     assert on.layer_types == ["full_attention", "sliding_attention", "full_attention"]
-    assert sliding_window(on) == 24 and check_config(on, 128, max_model_len_asked=False) == 24
+    assert sliding_window(on) == 24 and check_config(on, 128, max_model_len_asked=False) == 128
     full = build("smollm3", use_sliding_window=True, sliding_window=24, layer_types=["full_attention"] * 3).config
     assert sliding_window(full) is None
     qwen3 = build("qwen3", use_sliding_window=True, sliding_window=24, max_window_layers=3).config

@@ -1,5 +1,5 @@
 """The model registry: `--list-architectures`, one start-up line for an architecture or a config
-field we do not serve, and a sliding window honoured by serving within one window."""
+field we do not serve, and a sliding window that no longer cuts the context."""
 
 from __future__ import annotations
 
@@ -9,12 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.sampling_params import SamplingParams
-from engine.loop.llm import LLM
-from engine.worker.models.loader import default_gguf_path, gguf_tokenizer_dir
 from engine.worker.models.registry import ARCHITECTURES, UnsupportedModelError, check_config
-from tests.engine.hf_reference import hf_greedy
-from tests.engine.test_hf_equality import assert_matches
 from tests.families.tiny_models import build, save
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,22 +47,36 @@ def test_an_unknown_rope_type_is_refused_naming_it():
         check_config(config, 128, max_model_len_asked=False)
 
 
-def test_a_sliding_window_is_served_within_one_window(tmp_path):
-    """Mistral with a 24-token window: the context is cut to the window (where attending to
-    every earlier token is the window's attention) and greedy output equals HF's there; a longer
-    --max-model-len is refused naming the field. Qwen's window is off unless use_sliding_window."""
-    hf = build("mistral", sliding_window=24)
-    path = save(hf, tmp_path / "mistral")
-    tokenizer = str(gguf_tokenizer_dir(default_gguf_path()))
-    with pytest.raises(UnsupportedModelError, match="max_model_len 128 exceeds the model's sliding_window 24"):
-        LLM(model=str(path), tokenizer=tokenizer, dtype="float32", max_model_len=128)
-    llm = LLM(model=str(path), tokenizer=tokenizer, dtype="float32", block_size=4, kv_cache_memory="4MiB",
-              max_num_seqs=4, max_num_batched_tokens=16)
-    assert llm.engine.config.model.max_model_len == 24
-    prompts = [[5 + 7 * i for i in range(n)] for n in (3, 12, 17)]
-    for ids in prompts:
-        out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=24 - len(ids), ignore_eos=True))[0]
-        ref, top = hf_greedy(hf, ids, 24 - len(ids))
-        assert_matches(out.outputs[0].token_ids, ref, top, f"{len(ids)}-token prompt")
-    qwen = build("qwen2", sliding_window=24).config
-    assert check_config(qwen, 128, max_model_len_asked=True) == 128  # use_sliding_window is False
+def config_of(family: str):
+    """The tiny model's config with its architecture named, as a saved config.json has it."""
+    model = build(family)
+    model.config.architectures = [type(model).__name__]
+    return model.config
+
+
+def test_a_sliding_window_no_longer_cuts_the_context():
+    """Every family's attention honours its windows per layer (the families' equality tests run
+    Mistral, Gemma 2 and Gemma 3 past theirs), so check_config serves the whole context asked."""
+    for family in ("mistral_swa", "gemma2", "gemma3"):
+        assert check_config(config_of(family), 128, max_model_len_asked=True) == 128
+        assert check_config(config_of(family), 128, max_model_len_asked=False) == 128
+
+
+@pytest.mark.parametrize("family,field,value,message", [
+    ("gemma2", "hidden_activation", "relu", "hidden_activation 'relu' of Gemma2ForCausalLM is not one we compute"),
+    ("gemma3", "use_bidirectional_attention", True, "use_bidirectional_attention true of Gemma3ForCausalLM"),
+    ("gemma2", "attention_bias", True, "attention_bias true of Gemma2ForCausalLM"),
+    ("gemma3", "layer_types", ["chunked_attention"] * 3, "layer_types chunked_attention of Gemma3ForCausalLM"),
+])
+def test_what_gemma_does_not_compute_is_refused_naming_the_field(family, field, value, message):
+    config = config_of(family)
+    setattr(config, field, value)
+    with pytest.raises(UnsupportedModelError, match=message):
+        check_config(config, 128, max_model_len_asked=False)
+
+
+def test_a_rope_type_per_layer_type_is_checked():
+    config = config_of("gemma3")
+    config.rope_parameters["full_attention"] = {"rope_type": "spiral", "rope_theta": 1e6}
+    with pytest.raises(UnsupportedModelError, match="rope_type 'spiral' of Gemma3ForCausalLM"):
+        check_config(config, 128, max_model_len_asked=False)

@@ -26,6 +26,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
 FAMILIES: dict[str, tuple[str, str, dict]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "mistral_swa": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
@@ -42,6 +43,19 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     # each multiplier away from 1 and the attention scale away from head_dim ** -0.5 (0.25)
     "granite": ("GraniteConfig", "GraniteForCausalLM", {
         "embedding_multiplier": 6.0, "attention_multiplier": 0.6, "residual_multiplier": 0.4, "logits_scaling": 3.0}),
+    # NOTE: windows shorter than the tests' contexts (prompts up to 70 tokens + 12 new), mixed
+    # sliding and full layers, soft-caps small enough to bend these tiny models' scores, weights
+    # drawn wider than HF's 0.02 so that the scores are not all near 0, tied embeddings
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               {"sliding_window": 16, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 2.0,
+                "final_logit_softcapping": 5.0, "initializer_range": 0.1, "tie_word_embeddings": True}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               {"sliding_window": 24, "query_pre_attn_scalar": 16, "final_logit_softcapping": 5.0,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                       "rope_theta": 1000000.0}},
+                "initializer_range": 0.1, "tie_word_embeddings": True}),
 }
 
 

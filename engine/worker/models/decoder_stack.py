@@ -64,6 +64,9 @@ class CompiledDecoderStack:
     intermediate_size: int
     scale: float
     eps: float
+    # The narrowest sliding window of the layers (None: none has one): a step whose every
+    # context fits in it attends as without the window, which the stack computes.
+    window: int | None = None
 
     @classmethod
     def build(cls, model: LlamaModel) -> CompiledDecoderStack:
@@ -80,14 +83,19 @@ class CompiledDecoderStack:
                 qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
         first = model.layers[0]
         attn = first.self_attn
+        windows = [layer.self_attn.attn.sliding_window for layer in model.layers]
+        window = min((w for w in windows if w is not None), default=None)
         return cls(tuple(w.detach() for w in weights), tuple(b.detach() for b in biases),
                    tuple(n.detach() for n in qk_norms), model.norm.weight.detach(),
                    attn.rotary.cos, attn.rotary.sin, attn.num_heads, attn.num_kv_heads,
-                   first.mlp.gate_up_proj.out_sizes[0], attn.attn.scale, first.input_layernorm.eps)
+                   first.mlp.gate_up_proj.out_sizes[0], attn.attn.scale, first.input_layernorm.eps, window)
 
     def applies(self, meta: AttentionMetadata, kv_caches) -> bool:
         """Whether this step's metadata is the CPU backend's (its prompt chunks for the one-call
-        prefill kernel) and its caches are of a dtype the kernels take."""
+        prefill kernel), its caches are of a dtype the kernels take, and no context in it
+        outgrows a layer's sliding window."""
+        if self.window is not None and (meta.max_context_len is None or meta.max_context_len > self.window):
+            return False
         return (meta.num_prefill_tokens == 0 or meta.prefill_spans is not None) \
             and kv_caches[0][0].dtype in _DTYPES
 
@@ -149,6 +157,8 @@ def _why_not_layers(decoder: LlamaModel) -> str | None:
             return "the layers differ in their attention or MLP classes"
         if hasattr(attn, "q_norm") and not attn.q_norm.eps == attn.k_norm.eps == layer.input_layernorm.eps:
             return "the per-head query / key norms' epsilon differs from the layers'"
+        if attn.attn.logit_softcap is not None:
+            return "a layer soft-caps its attention logits"
     if first.rotary.rotary_dim != first.head_size:
         return "partial rotary (part of each head rotated) is not in the compiled stack"
     if first.head_size % 16:

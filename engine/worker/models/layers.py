@@ -205,12 +205,14 @@ class RotaryEmbedding(nn.Module):
     Partial rotary (`partial_rotary_factor` < 1, Phi-4-mini's 0.75): only the first
     `rotary_dim = int(head_size * factor)` features of each head rotate, in rotate-half layout
     over those alone; the rest pass through (HF's apply_rotary_pos_emb). The tables are
-    [max_positions, rotary_dim]."""
+    [max_positions, rotary_dim].
+    `layer_type`: the key of a config whose `rope_parameters` are per layer type (Gemma 3's
+    "sliding_attention" / "full_attention"); None: the config's one set of parameters."""
 
-    def __init__(self, hf_config, head_size: int, max_positions: int):
+    def __init__(self, hf_config, head_size: int, max_positions: int, layer_type: str | None = None):
         super().__init__()
         self.rotary_dim = rotary_dim(hf_config, head_size)
-        inv_freq, scaling = _rope_inv_freq(hf_config, self.rotary_dim)
+        inv_freq, scaling = _rope_inv_freq(hf_config, self.rotary_dim, layer_type)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(t.device))  # HF's initialisers build it on the CPU
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -245,9 +247,12 @@ def rotary_dim(hf_config, head_size: int) -> int:
     return head_size if factor is None else int(head_size * factor)
 
 
-def _rope_inv_freq(hf_config, dim: int) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [dim / 2], cos/sin scaling) for a rotary dimension of `dim`."""
+def _rope_inv_freq(hf_config, dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim / 2], cos/sin scaling) for a rotary dimension of `dim`; with
+    `layer_type`, from that layer type's parameters."""
     params = rope_parameters(hf_config)
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     if rope_type == "default":
@@ -260,7 +265,8 @@ def _rope_inv_freq(hf_config, dim: int) -> tuple[torch.Tensor, float]:
     # NOTE: on the CPU whatever the default device: some initialisers make tensors without one,
     # and one built on the meta device (a model built without memory) has no values to read
     with torch.device("cpu"):
-        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        kw = {} if layer_type is None else {"layer_type": layer_type}
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", **kw)
     return inv.float(), float(scaling)
 
 

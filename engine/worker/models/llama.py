@@ -3,7 +3,8 @@ other families (engine/worker/models/registry.py) build on.
 
 Parameter names match HF checkpoints (`model.layers.N.self_attn.q_proj` ...) except that q/k/v
 and gate/up are fused; `packed_modules` tells the loader where each checkpoint tensor goes.
-Qwen2 differs only by biases on q/k/v, Mistral not at all (no sliding window here).
+Qwen2 differs only by biases on q/k/v, Mistral not at all; a sliding window (Mistral's on every
+layer, Qwen2's on the layers its `layer_types` name) is honoured per layer (`layer_sliding_window`).
 
 Another family subclasses what differs and names it in a class attribute one level up:
 `LlamaDecoderLayer.attention_cls` / `.mlp_cls`, `LlamaModel.layer_cls`,
@@ -31,6 +32,26 @@ from engine.worker.models.layers import (
 )
 
 
+def config_sliding_window(config) -> int | None:
+    """The window of a config's sliding-window attention, or None when no layer has one (Qwen2/
+    Qwen3 configs carry a window that `use_sliding_window` turns off)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def layer_sliding_window(config, layer_idx: int) -> int | None:
+    """The sliding window of layer `layer_idx`, as HF's attention takes it: a config with
+    `layer_types` (Qwen2/3, Gemma) windows its "sliding_attention" layers only, one without
+    (Mistral) every layer; None: the layer attends to the whole context."""
+    window = config_sliding_window(config)
+    types = getattr(config, "layer_types", None)
+    if window is None or (types is not None and types[layer_idx] != "sliding_attention"):
+        return None
+    return window
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding, layer_idx: int = 0):
         super().__init__()
@@ -45,7 +66,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.head_size, hidden, bias=getattr(config, "attention_bias", False))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5,
+                                   sliding_window=layer_sliding_window(config, layer_idx))
 
     def forward(self, positions, x, meta: AttentionMetadata, kv_cache, rows=None):
         """Every token's K/V goes to the cache; the output is that of `rows` only (None: all)."""
@@ -103,7 +125,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config, max_positions: int):
         super().__init__()
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_size, max_positions)
+        rotary = self.make_rotary(config, head_size, max_positions)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(config, rotary, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -111,9 +133,12 @@ class LlamaModel(nn.Module):
         # floats (engine/worker/models/decoder_stack.py sets it; None: layer by layer).
         self.compiled_stack = None
 
+    def make_rotary(self, config, head_size: int, max_positions: int):
+        """What every layer's constructor gets as `rotary` (one table shared by all layers)."""
+        return RotaryEmbedding(config, head_size, max_positions)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The hidden states the first layer takes: the token embeddings (a family that scales
-        them overrides this)."""
+        """The hidden states the first layer takes, [num_tokens, hidden]."""
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, meta, kv_caches, rows=None):

@@ -158,12 +158,11 @@ def load_hf_config(path: str):
         from engine.worker.models.gguf_file import GGUFFile
 
         return GGUFFile.open(p).hf_config()
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import AutoConfig
 
-    if p.is_file():  # a dummy-weights config JSON
+    if p.is_file():  # a dummy-weights config JSON: its model_type's config class (Llama's without one)
         data = json.loads(p.read_text())
-        data.pop("model_type", None)
-        return LlamaConfig(**data)
+        return AutoConfig.for_model(data.pop("model_type", "llama"), **data)
     return AutoConfig.from_pretrained(path)
 
 

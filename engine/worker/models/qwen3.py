@@ -9,10 +9,12 @@ from engine.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaF
 
 
 class Qwen3Attention(LlamaAttention):
+    norm_cls: type[RMSNorm] = RMSNorm  # the per-head norms' class (Gemma 3's adds 1 to its weight)
+
     def __init__(self, config, rotary: RotaryEmbedding, layer_idx: int = 0):
         super().__init__(config, rotary, layer_idx)
-        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+        self.q_norm = self.norm_cls(self.head_size, config.rms_norm_eps)
+        self.k_norm = self.norm_cls(self.head_size, config.rms_norm_eps)
 
     def forward(self, positions, x, meta: AttentionMetadata, kv_cache, rows=None):
         T = x.shape[0]

@@ -11,9 +11,11 @@ import logging
 
 from torch import nn
 
+from engine.worker.models.gemma import Gemma2ForCausalLM
+from engine.worker.models.gemma3 import Gemma3ForCausalLM
 from engine.worker.models.granite import GraniteForCausalLM
 from engine.worker.models.layers import rope_parameters
-from engine.worker.models.llama import LlamaForCausalLM
+from engine.worker.models.llama import LlamaForCausalLM, config_sliding_window
 from engine.worker.models.olmo2 import Olmo2ForCausalLM
 from engine.worker.models.phi3 import Phi3ForCausalLM
 from engine.worker.models.qwen3 import Qwen3ForCausalLM
@@ -23,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 # architecture name (a config's `architectures`) -> model class
 ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -32,6 +36,9 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
+
+# The layer types (a config's `layer_types`) whose attention we compute.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class UnsupportedModelError(ValueError):
@@ -50,8 +57,8 @@ def describe_architectures() -> str:
 
 
 def architecture(hf_config) -> str:
-    """The first of the config's architectures we serve; ValueError naming them otherwise (a
-    config without any is a Llama, as our dummy-weight configs are)."""
+    """The first of the config's architectures we serve; UnsupportedModelError naming them
+    otherwise (a config without any is a Llama, as our dummy-weight configs are)."""
     archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
     for arch in archs:
         if arch in ARCHITECTURES:
@@ -67,30 +74,25 @@ def model_class(hf_config) -> type[nn.Module]:
 
 def sliding_window(hf_config) -> int | None:
     """The window of a config's sliding-window attention, or None when every layer attends to
-    the whole context: Qwen2/Qwen3/SmolLM3 configs carry a window that `use_sliding_window`
-    turns off, and where a config lists `layer_types` (Qwen2/Qwen3's `max_window_layers`,
-    SmolLM3's), only a layer of type "sliding_attention" uses the window (a config without the
-    list, Mistral's, uses it on every layer)."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
+    the whole context: Qwen2/Qwen3/SmolLM3 configs carry a window that `use_sliding_window` turns
+    off, and where a config lists `layer_types` (Qwen2/Qwen3's `max_window_layers`, SmolLM3's,
+    Gemma's) only a "sliding_attention" layer uses it (llama.layer_sliding_window)."""
+    window = config_sliding_window(hf_config)
     layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
         return None
-    return int(window)
+    return window
 
 
 def check_config(hf_config, max_model_len: int, max_model_len_asked: bool) -> int:
-    """Check what `hf_config` asks of its family's class; returns the max_model_len to serve.
+    """Check what `hf_config` asks of its family's class (UnsupportedModelError naming the field
+    otherwise); returns the max_model_len to serve.
 
-    NOTE: attention here reads every earlier token. Within a sliding window that is the same
-    attention, so a model with a window of W tokens is served with a context of at most W (as
-    vLLM served such models on backends without windowed attention) rather than silently
-    attending past its window: a longer --max-model-len is refused, the model's default is cut
-    to W with a log line.
+    NOTE: every family's attention honours a sliding window per layer (PagedAttention's
+    `sliding_window`, set by llama.layer_sliding_window), so a window does not cut the context.
 
-    NOTE: likewise "longrope" (Phi-3 128k, Phi-4-mini): HF rotates with its short factors while
-    a sequence is within original_max_position_embeddings (O) and past O re-rotates the whole
+    NOTE: "longrope" (Phi-3 128k, Phi-4-mini) does: HF rotates with its short factors while a
+    sequence is within original_max_position_embeddings (O) and past O re-rotates the whole
     context with its long factors (dropping the KV cache, `Phi3ForCausalLM.
     prepare_inputs_for_generation`), which a paged cache written token by token cannot do. So it
     is served within O, with the short factors (RotaryEmbedding's, exactly HF's there): a
@@ -100,25 +102,22 @@ def check_config(hf_config, max_model_len: int, max_model_len_asked: bool) -> in
     if why is not None:
         raise UnsupportedModelError(why)
     rope = rope_parameters(hf_config)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    # NOTE: Gemma 3's rope_parameters hold one set per layer type
+    sets = list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    for params in sets:
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        if rope_type not in ROPE_INIT_FUNCTIONS:
-            raise UnsupportedModelError(f"rope_type {rope_type!r} of {arch} is not one we compute; known: "
-                                        f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
-    if rope_type == "longrope":
-        max_model_len = _within_longrope_short_range(hf_config, rope, arch, max_model_len, max_model_len_asked)
-    window = sliding_window(hf_config)
-    if window is not None and window < max_model_len:
-        if max_model_len_asked:
-            raise UnsupportedModelError(
-                f"max_model_len {max_model_len} exceeds the model's sliding_window {window}: {arch}'s sliding-window "
-                f"attention is served only within one window here; pass --max-model-len {window} or less"
-            )
-        logger.info("max_model_len %d -> %d: %s's sliding_window (attention within one window is the whole "
-                    "context's)", max_model_len, window, arch)
-        return window
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise UnsupportedModelError(f"rope_type {rope_type!r} of {arch} is not one we compute; known: "
+                                            f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+        if rope_type == "longrope":
+            max_model_len = _within_longrope_short_range(hf_config, params, arch, max_model_len, max_model_len_asked)
+    unknown = sorted(set(getattr(hf_config, "layer_types", None) or ()) - set(LAYER_TYPES))
+    if unknown:
+        raise UnsupportedModelError(f"layer_types {', '.join(unknown)} of {arch} are not attention we compute; "
+                                    f"known: {', '.join(LAYER_TYPES)}")
     return max_model_len
 
 
