@@ -23,6 +23,12 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    # NOTE: 4 experts, top-2: every expert is chosen by some tokens and left out by others.
+    # Weights drawn 5x wider than HF's 0.02: at 0.02 a MoE block's output is ~0.2% of its
+    # input's norm, and scaling the tiny Qwen3-MoE's by 0.9 (or skipping its tensor-parallel
+    # all-reduce) left every greedy token as it was; at 0.1 it is ~30% and such errors show.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                         "sliding_window": None, "initializer_range": 0.1}),
 }
 
 

@@ -12,6 +12,7 @@ import logging
 from torch import nn
 
 from engine.worker.models.llama import LlamaForCausalLM
+from engine.worker.models.mixtral import MixtralForCausalLM
 from engine.worker.models.qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
@@ -82,6 +84,7 @@ def check_config(hf_config, max_model_len: int, max_model_len_asked: bool) -> in
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise UnsupportedModelError(f"rope_type {rope_type!r} of {arch} is not one we compute; known: "
                                         f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+    check_experts(hf_config)
     window = sliding_window(hf_config)
     if window is not None and window < max_model_len:
         if max_model_len_asked:
@@ -93,3 +96,24 @@ def check_config(hf_config, max_model_len: int, max_model_len_asked: bool) -> in
                     "context's)", max_model_len, window, arch)
         return window
     return max_model_len
+
+
+def check_experts(hf_config) -> None:
+    """A mixture of experts' config (its class's `expert_fields`) needs at least one expert and
+    1 <= experts per token <= experts; UnsupportedModelError naming the field otherwise.
+
+    NOTE: HF's Qwen3-MoE with num_experts 0 is all dense layers, i.e. Qwen3 with another
+    class; it is refused rather than served, as a config that says MoE and has no experts is
+    more likely a mistake than a dense model."""
+    arch = architecture(hf_config)
+    fields = model_class(hf_config).expert_fields
+    if fields is None:
+        return
+    experts_field, top_k_field = fields
+    experts, top_k = getattr(hf_config, experts_field, None), getattr(hf_config, top_k_field, None)
+    if not isinstance(experts, int) or experts < 1:
+        raise UnsupportedModelError(f"{experts_field} {experts!r} of {arch}: a mixture of experts needs at least one "
+                                    "expert")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise UnsupportedModelError(f"{top_k_field} {top_k!r} of {arch} must be between 1 and {experts_field} "
+                                    f"({experts})")
