@@ -29,6 +29,11 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     # all-reduce) left every greedy token as it was; at 0.1 it is ~30% and such errors show.
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
                                                          "sliding_window": None, "initializer_range": 0.1}),
+    # layer 1 dense (mlp_only_layers), layers 0 and 2 sparse; experts of another width than the
+    # dense MLP's; top-k weights renormalised
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                           "moe_intermediate_size": 48, "norm_topk_prob": True,
+                                                           "mlp_only_layers": [1], "initializer_range": 0.1}),
 }
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from engine.worker.models.llama import LlamaForCausalLM
 from engine.worker.models.mixtral import MixtralForCausalLM
 from engine.worker.models.qwen3 import Qwen3ForCausalLM
+from engine.worker.models.qwen3_moe import Qwen3MoeForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +25,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
