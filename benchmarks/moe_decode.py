@@ -11,14 +11,15 @@ model's 49152-token vocabulary: ~520 M parameters (2.1 GB in float32; 400 M of t
 ~95 M active per token (50 M of them the LM head).
 Only a config.json is written (a temporary directory); the weights are `load_format="dummy"`.
 
-For each batch size, `--seqs` prompts of `--prompt-len` seeded random token ids are prefilled
-once (one output token, so the prefix cache keeps them), then generate `--max-tokens` tokens
-each (greedy, EOS ignored) and that pass is timed: almost all decode steps. During the timed
-passes every MoE block counts its routed (token, expert) pairs (`SparseMoE.tokens_per_expert`);
-the load printed is tokens per expert summed over the layers (min / max / mean over experts)
-and the worst layer's max / mean. It counts every token the timed pass computes: its decode
-steps and the few prompt tokens recomputed past the prefix cache's hit. Random weights route near-uniformly: a trained model's load
-is more skewed. Prints output tok/s per batch size; `--json` writes the figures.
+For each of `--batch-sizes`, that many prompts of `--prompt-len` seeded random token ids are
+prefilled once (one output token, so the prefix cache keeps them), then generate `--max-tokens`
+tokens each (greedy, EOS ignored) and that pass is timed: almost all decode steps. During the
+timed passes every MoE block counts its routed (token, expert) pairs
+(`SparseMoE.tokens_per_expert`): every token the pass computes, its decode steps and the few
+prompt tokens recomputed past the prefix cache's hit. Printed: tokens per expert summed over the
+layers (min / max / mean over experts) and the worst layer's max / mean. NOTE: random weights
+decoded greedily repeat tokens, so one sequence keeps hitting the same experts; the load shows
+the routing at work, not how a trained model's router spreads tokens. `--json` writes the figures.
 """
 
 from __future__ import annotations
