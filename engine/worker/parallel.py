@@ -118,12 +118,16 @@ def check_divides(hf_config, tp_size: int) -> None:
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     inter = hf_config.intermediate_size
+    # a mixture of experts shards each expert's intermediate dimension too (moe.py)
+    expert_inter = getattr(hf_config, "moe_intermediate_size", None) or inter
     if tp_size == 1:
         return
-    if kv_heads % tp_size or heads % tp_size or inter % tp_size:
-        ok = [n for n in range(1, kv_heads + 1) if kv_heads % n == 0 and heads % n == 0 and inter % n == 0]
+    if kv_heads % tp_size or heads % tp_size or inter % tp_size or expert_inter % tp_size:
+        ok = [n for n in range(1, kv_heads + 1)
+              if kv_heads % n == 0 and heads % n == 0 and inter % n == 0 and expert_inter % n == 0]
+        experts = f", expert intermediate size {expert_inter}" if expert_inter != inter else ""
         raise ValueError(
             f"tensor_parallel_size={tp_size} does not divide this model's {kv_heads} KV heads "
-            f"({heads} attention heads, intermediate size {inter}): each rank must hold whole KV "
+            f"({heads} attention heads, intermediate size {inter}{experts}): each rank must hold whole KV "
             f"heads. Valid sizes for this model: {', '.join(map(str, ok))}."
         )

@@ -56,6 +56,17 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
                                     "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                        "rope_theta": 1000000.0}},
                 "initializer_range": 0.1, "tie_word_embeddings": True}),
+    # NOTE: 4 experts, top-2: every expert is chosen by some tokens and left out by others.
+    # Weights drawn 5x wider than HF's 0.02: at 0.02 a MoE block's output is ~0.2% of its
+    # input's norm, and scaling the tiny Qwen3-MoE's by 0.9 (or skipping its tensor-parallel
+    # all-reduce) left every greedy token as it was; at 0.1 it is ~30% and such errors show.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                         "sliding_window": None, "initializer_range": 0.1}),
+    # layer 1 dense (mlp_only_layers), layers 0 and 2 sparse; experts of another width than the
+    # dense MLP's; top-k weights renormalised
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                           "moe_intermediate_size": 48, "norm_topk_prob": True,
+                                                           "mlp_only_layers": [1], "initializer_range": 0.1}),
 }
 
 

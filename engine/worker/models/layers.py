@@ -113,13 +113,18 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T with W's input columns split over ranks; partial sums are all-reduced."""
+    """y = x W^T with W's input columns split over ranks; partial sums are all-reduced, unless
+    `reduce_results` is False: then each rank returns its partial sum and the caller reduces
+    (a mixture of experts sums its experts' partial outputs first, then all-reduces once)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True):
         super().__init__()
         self.tp_size, self.tp_rank = parallel.world_size(), parallel.rank()
         if in_features % self.tp_size:
             raise ValueError(f"{in_features} input features do not split over {self.tp_size} ranks")
+        if bias and not reduce_results:
+            raise ValueError("a bias is added once, after the reduction: it needs reduce_results")
+        self.reduce_results = reduce_results
         self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.packed = None
@@ -133,11 +138,26 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.reduce_results:
             parallel.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T with the whole W on every rank (no split, no communication): a layer whose every
+    output each rank needs, such as a mixture of experts' router. Packed like the others by
+    engine/worker/models/linear_kernel.py; quantization (a Column/RowParallelLinear's) passes it by."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.packed = None
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self)
 
 
 class VocabParallelEmbedding(nn.Module):

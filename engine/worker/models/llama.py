@@ -82,11 +82,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, layer_idx: int = 0):
+    """down(silu(gate x) * up x). `intermediate_size` (default the config's) and `reduce_results`
+    (False: each rank returns its partial sum, RowParallelLinear's) serve as one expert of a
+    mixture of experts (engine/worker/models/moe.py)."""
+
+    def __init__(self, config, layer_idx: int = 0, intermediate_size: int | None = None,
+                 reduce_results: bool = True):
         super().__init__()
-        inter, bias = config.intermediate_size, getattr(config, "mlp_bias", False)
+        inter, bias = intermediate_size or config.intermediate_size, getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, feeds_silu_mul=True)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, reduce_results=reduce_results)
         self.act = SiluAndMul()
 
     def forward(self, x):
@@ -160,6 +165,12 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     model_cls: type[nn.Module] = LlamaModel
     compiled_stack_unsupported: str | None = None  # why ops.decoder_stack cannot run a subclass
+    # a checkpoint's module names that differ from ours: each name's `.old.` part becomes `.new.`
+    # before `packed_modules` applies (loader.load_weights)
+    renamed_modules: dict[str, str] = {}
+    # a mixture of experts' config fields (number of experts, experts per token), which
+    # registry.check_config checks; None: no experts
+    expert_fields: tuple[str, str] | None = None
     packed_modules = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),

@@ -171,7 +171,8 @@ def load_weights(model: torch.nn.Module, path: str, load_format: str, seed: int 
 
     Each parameter may define `weight_loader(param, tensor, shard_id=None)` (tensor-parallel
     shards, fused q/k/v and gate/up projections); `model.packed_modules` maps checkpoint
-    names such as "q_proj" to (fused name, shard id).
+    names such as "q_proj" to (fused name, shard id), after `model.renamed_modules` (module
+    names the checkpoint spells otherwise, e.g. Mixtral's "block_sparse_moe" for "mlp").
     """
     t0 = time.perf_counter()
     if load_format == "dummy":
@@ -187,6 +188,7 @@ def load_weights(model: torch.nn.Module, path: str, load_format: str, seed: int 
         return
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
+    renamed = getattr(model, "renamed_modules", {})
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -200,9 +202,11 @@ def load_weights(model: torch.nn.Module, path: str, load_format: str, seed: int 
         if "rotary_emb.inv_freq" in name:
             continue
         target, shard = name, None
+        for ckpt_name, ours in renamed.items():
+            target = target.replace(f".{ckpt_name}.", f".{ours}.")
         for ckpt_name, (fused_name, shard_id) in packed.items():
-            if f".{ckpt_name}." in name:
-                target, shard = name.replace(ckpt_name, fused_name), shard_id
+            if f".{ckpt_name}." in target:
+                target, shard = target.replace(ckpt_name, fused_name), shard_id
                 break
         if target not in params:
             continue

@@ -16,9 +16,11 @@ from engine.worker.models.gemma3 import Gemma3ForCausalLM
 from engine.worker.models.granite import GraniteForCausalLM
 from engine.worker.models.layers import rope_parameters
 from engine.worker.models.llama import LlamaForCausalLM, config_sliding_window
+from engine.worker.models.mixtral import MixtralForCausalLM
 from engine.worker.models.olmo2 import Olmo2ForCausalLM
 from engine.worker.models.phi3 import Phi3ForCausalLM
 from engine.worker.models.qwen3 import Qwen3ForCausalLM
+from engine.worker.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.worker.models.smollm3 import SmolLM3ForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -30,10 +32,12 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
@@ -114,6 +118,7 @@ def check_config(hf_config, max_model_len: int, max_model_len_asked: bool) -> in
                                             f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
         if rope_type == "longrope":
             max_model_len = _within_longrope_short_range(hf_config, params, arch, max_model_len, max_model_len_asked)
+    check_experts(hf_config)
     unknown = sorted(set(getattr(hf_config, "layer_types", None) or ()) - set(LAYER_TYPES))
     if unknown:
         raise UnsupportedModelError(f"layer_types {', '.join(unknown)} of {arch} are not attention we compute; "
@@ -138,3 +143,24 @@ def _within_longrope_short_range(hf_config, rope: dict, arch: str, max_model_len
     logger.info("max_model_len %d -> %d: %s's longrope is served with its short factors, within "
                 "original_max_position_embeddings", max_model_len, original, arch)
     return original
+
+
+def check_experts(hf_config) -> None:
+    """A mixture of experts' config (its class's `expert_fields`) needs at least one expert and
+    1 <= experts per token <= experts; UnsupportedModelError naming the field otherwise.
+
+    NOTE: HF's Qwen3-MoE with num_experts 0 is all dense layers, i.e. Qwen3 with another
+    class; it is refused rather than served, as a config that says MoE and has no experts is
+    more likely a mistake than a dense model."""
+    arch = architecture(hf_config)
+    fields = model_class(hf_config).expert_fields
+    if fields is None:
+        return
+    experts_field, top_k_field = fields
+    experts, top_k = getattr(hf_config, experts_field, None), getattr(hf_config, top_k_field, None)
+    if not isinstance(experts, int) or experts < 1:
+        raise UnsupportedModelError(f"{experts_field} {experts!r} of {arch}: a mixture of experts needs at least one "
+                                    "expert")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise UnsupportedModelError(f"{top_k_field} {top_k!r} of {arch} must be between 1 and {experts_field} "
+                                    f"({experts})")
