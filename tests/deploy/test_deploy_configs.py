@@ -218,9 +218,9 @@ def test_dockerfile_bases(dockerfile):
     assert "ARG PYTHON_IMAGE=python:3.11-slim" in (ROOT / "Dockerfile").read_text()
     assert "nvidia/cuda" in dockerfile["cuda-builder"][0] and "devel" in dockerfile["cuda-builder"][0]
     assert any("build.load('cuda')" in line for line in dockerfile["cuda-builder"])
-    # The default model is dequantized into the image at build time.
+    # The default model is served as stored: its tokenizer is converted at build time.
     for target in ("cpu", "cuda"):
-        assert any("resolve_model(None)" in line for line in dockerfile[target])
+        assert any("gguf_tokenizer_dir(default_gguf_path())" in line for line in dockerfile[target])
 
 
 def test_dockerignore_keeps_the_context_small():

@@ -222,7 +222,9 @@ class GGUFFile:
             rms_norm_eps=float(self.value(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_parameters=self._rope_parameters(head_dim),
             tie_word_embeddings="output.weight" not in self.tensors,
-            attention_bias="blk.0.attn_q.bias" in self.tensors,
+            # NOTE: HF's meaning: biases on q/k/v and o (Llama's); Qwen2's q/k/v biases go without
+            # it (its class has them always, and no o_proj bias)
+            attention_bias=a != "qwen2" and "blk.0.attn_q.bias" in self.tensors,
             bos_token_id=self.value("tokenizer.ggml.bos_token_id"),
             eos_token_id=self.value("tokenizer.ggml.eos_token_id"),
             pad_token_id=self.value("tokenizer.ggml.padding_token_id"),
@@ -268,6 +270,8 @@ class GGUFFile:
                      b + "ffn_down.weight": (hidden, inter)}
             if config.attention_bias or config.model_type == "qwen2":
                 want |= {b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)}
+            if config.attention_bias:
+                want[b + "attn_output.bias"] = (hidden,)
             if self.arch in QK_NORM:
                 want |= {b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)}
         for name, shape in want.items():

@@ -70,7 +70,8 @@ def linear_groups(config, arch: str) -> list[TensorGroup]:
         groups += [
             TensorGroup(m + "self_attn.qkv_proj", qkv, (heads if perm else None, kv if perm else None, None),
                         tuple(n.replace(".weight", ".bias") for n in qkv) if biased else ()),
-            TensorGroup(m + "self_attn.o_proj", (b + "attn_output.weight",), (None,)),
+            TensorGroup(m + "self_attn.o_proj", (b + "attn_output.weight",), (None,),
+                        (b + "attn_output.bias",) if config.attention_bias else ()),
             TensorGroup(m + "mlp.gate_up_proj", (b + "ffn_gate.weight", b + "ffn_up.weight"), (None, None)),
             TensorGroup(m + "mlp.down_proj", (b + "ffn_down.weight",), (None,)),
         ]
