@@ -91,7 +91,7 @@ class PoolObserver:
         out = self._schedule()
         bm = self.engine.block_manager
         shared = bm.usage().device_used
-        private = sum(len(t) for t in bm.tables.values())
+        private = bm.num_table_entries()
         if private:
             self.steps.append((shared, private))
         return out

@@ -127,8 +127,7 @@ class Scheduler:
         requests that finished (they leave `running`). The only post-step caller of the block
         manager."""
         bm = self.block_manager
-        for s in out.scheduled:
-            bm.mark_computed(s.seq, s.num_tokens, s.group.params.cache_salt)
+        bm.mark_all_computed(out.scheduled)
         for parent, child in forks:
             bm.fork(parent, child)
         for seq in dropped:

@@ -413,7 +413,8 @@ def test_only_the_scheduler_changes_the_block_manager():
 
     import engine
 
-    changing = ("allocate", "append_slot", "fork", "free", "free_to_recompute", "mark_computed", "swap_in",
+    changing = ("allocate", "append_slot", "fork", "free", "free_to_recompute", "mark_computed",
+                "mark_all_computed", "swap_in",
                 "swap_out", "reset", "take_table_changes")
     call = re.compile(r"(?:block_manager|\bbm)\.(%s)\b" % "|".join(changing))
     write = re.compile(r"\.(num_computed_tokens|num_registered_blocks|block_hashes|waits_for)\s*(?:\+|-)?=[^=]")
