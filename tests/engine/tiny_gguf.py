@@ -9,6 +9,8 @@ import gguf
 import numpy as np
 import torch
 
+from engine.worker.models.gguf_file import PERMUTED_QK
+
 # K = 256 and 512 hold whole blocks of every type (the K-quants' are 256 values)
 TINY = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5,
@@ -58,7 +60,7 @@ def gguf_tensors(model, arch: str = "llama") -> dict[str, np.ndarray]:
             _, _, i, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
             gname = f"blk.{i}.{_LAYER_NAMES[module]}.{kind}"
-            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in PERMUTED_QK and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = c.num_attention_heads if module.endswith("q_proj") else c.num_key_value_heads
                 a = llama_cpp_permute(a, heads)
             out[gname] = a

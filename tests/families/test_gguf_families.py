@@ -17,7 +17,9 @@ from tests.engine.tiny_gguf import write_gguf
 from tests.families.tiny_models import build
 
 # family -> GGUF architecture name (convert_hf_to_gguf.py's)
-GGUF_FAMILIES = {"qwen3": "qwen3"}
+GGUF_FAMILIES = {"qwen3": "qwen3", "smollm3": "smollm3"}
+# what a family's GGUF can hold: SmolLM3's NoPE layers are llama.cpp's fixed every 4th
+OVERRIDES = {"smollm3": {"no_rope_layer_interval": 4, "num_hidden_layers": 4, "initializer_range": 0.1}}
 PROMPT = [5, 17, 33, 2, 250, 77, 8, 100, 9, 1, 42, 300, 11, 12, 13, 14, 15]
 
 
@@ -28,7 +30,7 @@ def tokenizer():
 
 @pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
 def test_a_gguf_of_the_family_equals_hf(tmp_path, tokenizer, family):
-    hf = build(family)
+    hf = build(family, **OVERRIDES.get(family, {}))
     path = write_gguf(tmp_path / f"{family}.gguf", hf, GGUF_FAMILIES[family])
     llm = LLM(model=str(path), tokenizer=tokenizer, dtype="float32", max_model_len=128, kv_cache_memory="4MiB",
               max_num_seqs=4, max_num_batched_tokens=16)
@@ -39,7 +41,7 @@ def test_a_gguf_of_the_family_equals_hf(tmp_path, tokenizer, family):
 
 @pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
 def test_a_q8_0_gguf_of_the_family_stays_quantized(tmp_path, tokenizer, family):
-    hf = build(family)
+    hf = build(family, **OVERRIDES.get(family, {}))
     path = write_gguf(tmp_path / f"{family}-q8.gguf", hf, GGUF_FAMILIES[family], types={"weight": "Q8_0"})
     llm = LLM(model=str(path), tokenizer=tokenizer, dtype="float32", max_model_len=128, kv_cache_memory="4MiB",
               max_num_seqs=4, max_num_batched_tokens=16)
@@ -49,4 +51,7 @@ def test_a_q8_0_gguf_of_the_family_stays_quantized(tmp_path, tokenizer, family):
     with torch.no_grad():
         want = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0, -1], -1)
     diffs = [abs(lp.logprob - want[tid].item()) for tid, lp in out.outputs[0].logprobs[0].items()]
-    assert len(diffs) >= 20 and max(diffs) < 0.05, max(diffs)  # Q8_0's rounding, not another model
+    # NOTE: Q8_0's rounding of weights and activations moves these tiny random models' top
+    # logprobs by 0.03-0.06 (HF with the Q8_0-rounded weights moves them 0.03-0.06 too); another
+    # model or a layer wrong moves them by whole units
+    assert len(diffs) >= 20 and max(diffs) < 0.1, max(diffs)

@@ -25,12 +25,16 @@ import numpy as np
 import torch
 
 # GGUF architecture -> our model class name (engine/worker/models/llama.py)
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "smollm3": "SmolLM3ForCausalLM"}
 # Architectures with an RMSNorm over each head of the queries and keys (blk.N.attn_q_norm / attn_k_norm)
 QK_NORM = ("qwen3",)
 # Architectures whose Q/K rows llama.cpp's convert_hf_to_gguf.py permuted (its `permute`), so
 # that its rotary pairs adjacent values; ours (HF's rotate_half) pairs the two halves of a head.
-PERMUTED_QK = ("llama",)
+PERMUTED_QK = ("llama", "smollm3")
+# SmolLM3's layers without rotary: every 4th, counting from 1 (llama.cpp's fixed n_no_rope_layer_step;
+# a GGUF has no field for it)
+SMOLLM3_NO_ROPE_STEP = 4
 _SHORT_ARRAY = 256  # metadata arrays longer than this are read in one piece (or stepped over)
 
 
@@ -135,7 +139,8 @@ class GGUFConfig(SimpleNamespace):
         import transformers
 
         kwargs = self.to_dict()
-        cls = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}.get(kwargs.pop("model_type"), "LlamaConfig")
+        cls = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "smollm3": "SmolLM3Config"}.get(
+            kwargs.pop("model_type"), "LlamaConfig")
         return getattr(transformers, cls)(**kwargs)
 
 
@@ -230,7 +235,11 @@ class GGUFFile:
             pad_token_id=self.value("tokenizer.ggml.padding_token_id"),
             architectures=[ARCHITECTURES[a]],
         )
-        config = GGUFConfig(model_type=a if a in ("qwen2", "qwen3") else "llama", **kwargs)
+        if a == "smollm3":
+            layers, step = kwargs["num_hidden_layers"], SMOLLM3_NO_ROPE_STEP
+            kwargs |= dict(no_rope_layers=[int((i + 1) % step != 0) for i in range(layers)],
+                           no_rope_layer_interval=step, use_sliding_window=False, sliding_window=None)
+        config = GGUFConfig(model_type=a if a in ("qwen2", "qwen3", "smollm3") else "llama", **kwargs)
         self._check_tensors(config)
         return config
 
