@@ -24,7 +24,7 @@ from server.generation_defaults import load_generation_defaults
 from server.input_processor import InputProcessor
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from server.protocol import now
-from server.routes import chat, completions, models, ops, tokenize
+from server.routes import chat, completions, messages, models, ops, tokenize
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
     app = FastAPI(title="paged-serve", version=_version(), lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
-    for module in (completions, chat, models, tokenize, ops):
+    for module in (completions, chat, messages, models, tokenize, ops):
         app.include_router(module.router)
 
     # Middleware: the last added is the outermost (CORS, then auth, then the body's checks).

@@ -111,6 +111,12 @@ def from_engine_error(exc: BaseException, *, in_flight: bool = False) -> OpenAIE
     return OpenAIError(500, "Internal server error; see the server log.", code="internal_error")
 
 
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """The 400 for a request body that failed validation, naming the first field at fault."""
+    message, param = _validation_message(exc)
+    return bad_request(message, param=param)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -139,8 +145,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
-        message, param = _validation_message(exc)
-        return bad_request(message, param=param).response()
+        return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:

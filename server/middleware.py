@@ -9,12 +9,14 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.anthropic_errors import error_response, is_anthropic_path
 from server.errors import OpenAIError, bad_request
 from server.protocol import JsonTooDeep, JsonValueError, check_json_value
 
 
-async def _send_error(send: Send, error: OpenAIError) -> None:
-    response = error.response()
+async def _send_error(scope: Scope, send: Send, error: OpenAIError) -> None:
+    """`error` in the shape of the API the path belongs to (Anthropic's on /v1/messages)."""
+    response = error_response(error) if is_anthropic_path(scope.get("path", "")) else error.response()
     await response({"type": "http"}, _no_receive, send)
 
 
@@ -27,9 +29,10 @@ def _header_values(scope: Scope, name: bytes) -> list[bytes]:
 
 
 class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches, on every route but the open ones.
-    The scheme is case-insensitive (RFC 7235); a request that gives the header more than once is
-    refused (which of the keys would count is not something to guess)."""
+    """401 unless `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's header)
+    matches, on every route but the open ones; a request that gives both must give the key in
+    both. The scheme is case-insensitive (RFC 7235); a request that gives a header more than once
+    is refused (which of the keys would count is not something to guess)."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...]) -> None:
         self.app = app
@@ -44,16 +47,24 @@ class ApiKeyMiddleware:
                 or (self.open_prefixes and path.startswith(self.open_prefixes))):
             return await self.app(scope, receive, send)
         given = _header_values(scope, b"authorization")
-        if len(given) > 1:
-            return await _send_error(send, _unauthorized("The Authorization header must be given once, "
-                                                         f"got {len(given)}."))
-        if not given:
-            return await _send_error(send, _unauthorized("Missing API key: send 'Authorization: Bearer <key>'."))
-        scheme, _, key = given[0].strip().partition(b" ")
-        # NOTE: compare_digest on every path, so the answer's timing does not tell the scheme apart.
-        matches = hmac.compare_digest(key.lstrip(b" "), self.expected)
-        if scheme.lower() != b"bearer" or not matches:
-            return await _send_error(send, _unauthorized("Incorrect API key provided."))
+        api_keys = _header_values(scope, b"x-api-key")
+        for header, values in ((b"Authorization", given), (b"x-api-key", api_keys)):
+            if len(values) > 1:
+                return await _send_error(scope, send, _unauthorized(
+                    f"The {header.decode()} header must be given once, got {len(values)}."))
+        if not (given or api_keys):
+            return await _send_error(scope, send, _unauthorized(
+                "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'."))
+        ok = True
+        if given:
+            scheme, _, key = given[0].strip().partition(b" ")
+            # NOTE: compare_digest on every path, so the answer's timing does not tell the scheme apart.
+            matches = hmac.compare_digest(key.lstrip(b" "), self.expected)
+            ok = scheme.lower() == b"bearer" and matches
+        if api_keys:
+            ok = hmac.compare_digest(api_keys[0].strip(), self.expected) and ok
+        if not ok:
+            return await _send_error(scope, send, _unauthorized("Incorrect API key provided."))
         return await self.app(scope, receive, send)
 
 
@@ -86,7 +97,7 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         lengths = _header_values(scope, b"content-length")
         if lengths and lengths[0].isdigit() and int(lengths[0]) > self.max_bytes:
-            return await _send_error(send, self._too_large(int(lengths[0])))
+            return await _send_error(scope, send, self._too_large(int(lengths[0])))
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -95,7 +106,7 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                return await _send_error(send, self._too_large(size))
+                return await _send_error(scope, send, self._too_large(size))
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -103,7 +114,7 @@ class BodyLimitMiddleware:
         if body and _is_json(scope):
             error = json_body_error(body, self.max_json_depth, self.max_counts)
             if error is not None:
-                return await _send_error(send, error)
+                return await _send_error(scope, send, error)
         replayed = False
 
         async def replay() -> Message:

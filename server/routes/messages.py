@@ -1,0 +1,121 @@
+"""POST /v1/messages (Anthropic's Messages API, streaming or not) and
+POST /v1/messages/count_tokens.
+
+A request is translated into the chat request it asks for (server/anthropic_api.py) and goes
+the chat route's way: the tool plan, the chat template, admission, the engine; its one choice's
+answer is read as the chat route reads it (`answer`, `ChoiceStream`) and translated back into
+Anthropic's content blocks and events. Errors are Anthropic's shape (server/anthropic_errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.loop.async_engine import RequestStream
+from server.admission import Admitted, PromptSource, admit
+from server.anthropic_api import MessageEvents, event, message, to_chat_request
+from server.anthropic_errors import AnthropicRoute, error_body
+from server.anthropic_protocol import CountTokensRequest, MessagesRequest, Usage
+from server.chat_output import OutputFormat, answer
+from server.context import ServerContext, get_ctx
+from server.errors import OpenAIError, from_engine_error
+from server.generation import StreamTracker, collect, merged, release, start_requests, until_disconnect
+from server.protocol import ChatCompletionRequest
+from server.routes.chat import to_template_messages
+from server.routes.common import require_ready
+from server.streaming import SSE_HEADERS
+from server.tools import plan_tools
+
+router = APIRouter(route_class=AnthropicRoute)
+
+
+async def _admit(ctx: ServerContext, chat: ChatCompletionRequest) -> tuple[Admitted, OutputFormat]:
+    """The chat route's way from its request to engine requests, and how outputs are read."""
+    plan = plan_tools(chat, ctx.settings)
+    admitted = await admit(ctx, chat, PromptSource(messages=to_template_messages(chat.messages), plan=plan,
+                                                   template_kwargs=chat.chat_template_kwargs))
+    think = ctx.settings.think_format
+    opened = think is not None and think.opened_by(admitted.requests[0].text or "")
+    return admitted, OutputFormat(plan, think, opened, ctx.settings.tool_call_parser)
+
+
+@router.post("/v1/messages")
+async def create_message(req: MessagesRequest, request: Request) -> Response:
+    ctx = get_ctx(request)
+    require_ready(ctx)
+    model = ctx.check_model(req.model)
+    admitted, fmt = await _admit(ctx, to_chat_request(req, ctx.settings))
+    message_id = f"msg_{uuid.uuid4().hex}"
+    streams = await start_requests(ctx.engine, message_id, admitted.requests, bool(req.stream),
+                                   prompt_param="messages")
+    if req.stream:
+        body = _events(ctx, MessageEvents(message_id, model, fmt), streams)
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+    return await until_disconnect(request, ctx, _full(ctx, fmt, message_id, model, streams))
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(req: CountTokensRequest, request: Request) -> dict:
+    """The prompt's tokens as /v1/messages would render them (system, messages, tools)."""
+    ctx = get_ctx(request)
+    require_ready(ctx)
+    ctx.check_model(req.model)
+    chat = to_chat_request(req, ctx.settings)
+    plan = plan_tools(chat, ctx.settings)
+    prompt = await ctx.inputs.chat_prompt(to_template_messages(chat.messages), plan, chat.chat_template_kwargs)
+    return {"input_tokens": len(prompt.token_ids)}
+
+
+async def _full(ctx: ServerContext, fmt: OutputFormat, message_id: str, model: str,
+                streams: list[RequestStream]) -> Response:
+    try:
+        (output,) = await collect(streams)
+        (choice,) = output.outputs
+        text, finish_reason = answer(fmt, choice.text, choice.finish_reason)
+        usage = Usage.of(len(output.prompt_token_ids), len(choice.token_ids), output.num_cached_tokens)
+        result = message(message_id, model, text, finish_reason, choice.stop_reason, usage)
+        return JSONResponse(result.model_dump())
+    except (asyncio.CancelledError, OpenAIError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - one request's failure
+        raise from_engine_error(exc, in_flight=True) from None
+    finally:
+        release(ctx.engine, streams)
+
+
+async def _events(ctx: ServerContext, events: MessageEvents, streams: list[RequestStream]) -> AsyncIterator[str]:
+    """The stream's body. A failure after the headers went out becomes an `error` event (which
+    Anthropic's SDK raises); a client disconnect is counted and re-raised; the streams are
+    released on every path."""
+    tracker = StreamTracker(1)
+    try:
+        async for _, output in merged(streams):
+            for delta in tracker.deltas(0, output):
+                if delta.first:
+                    for frame in events.start(_usage(tracker)):
+                        yield frame
+                for frame in events.step(delta.text, delta.finish_reason, delta.stop_reason):
+                    yield frame
+        for frame in events.finish(_usage(tracker)):
+            yield frame
+    except asyncio.CancelledError:
+        ctx.client_disconnected()
+        raise
+    except Exception as exc:  # noqa: BLE001 - headers are out: report in-band
+        error = exc if isinstance(exc, OpenAIError) else from_engine_error(exc, in_flight=True)
+        yield event("error", error_body(error))
+    finally:
+        release(ctx.engine, streams)
+
+
+def _usage(tracker: StreamTracker) -> Usage:
+    """The usage so far (message_start's counts the output tokens of the first delta)."""
+    usage = tracker.usage()
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return Usage.of(usage.prompt_tokens, usage.completion_tokens, cached)
+
