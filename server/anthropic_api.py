@@ -185,6 +185,8 @@ def _tools(tools: list | None) -> list[ChatTool] | None:
             raise bad_request(f"server tools ({shown(tool.type, 64)!r}) are not supported: give client tools "
                               "with a name and an input_schema.", param=f"tools.{i}.type")
         _no_extra(tool, f"tools.{i}.")
+        if tool.input_schema is None:
+            raise bad_request("a tool needs an input_schema.", param=f"tools.{i}.input_schema")
         out.append(ChatTool(function=FunctionDefinition(name=tool.name, description=tool.description,
                                                         parameters=tool.input_schema)))
     return out

@@ -59,7 +59,7 @@ class ToolParam(_Open):
     """A client tool. Server tools (web search, bash, ...) have another `type` and are refused."""
 
     name: str
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None  # required of client tools (checked with the type)
     description: str | None = None
     type: str | None = None  # "custom" or absent
     cache_control: dict[str, Any] | None = None

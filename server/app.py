@@ -69,6 +69,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
     # Middleware: the last added is the outermost (CORS, then auth, then the body's checks).
     counts = {"messages": (settings.max_messages, "messages"), "tools": (settings.max_tools, "tools"),
               "stop": (settings.max_stop_sequences, "sequences"),
+              "stop_sequences": (settings.max_stop_sequences, "sequences"),  # /v1/messages
               "stop_token_ids": (settings.max_stop_token_ids, "token ids"),
               "logit_bias": (settings.max_logit_bias, "entries")}
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes,
