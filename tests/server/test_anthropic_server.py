@@ -15,10 +15,13 @@ import pydantic
 import pytest
 from fastapi.testclient import TestClient
 
-from server.anthropic_api import to_chat_request
+from server.anthropic_api import MessageEvents, message_blocks, stop_reason, to_chat_request
 from server.anthropic_protocol import MessagesRequest
+from server.chat_output import OutputFormat, answer
 from server.errors import OpenAIError
+from server.reasoning import think_format
 from server.settings import ServerSettings
+from server.tools import plan_tools
 from tests.server.support import post, wait_pool_free
 
 GREEDY = {"temperature": 0}
@@ -133,6 +136,55 @@ def test_what_cannot_be_translated_is_a_400_naming_the_field(name):
     with pytest.raises(OpenAIError) as info:
         translate(**fields)
     assert info.value.status == 400 and info.value.param == param, info.value.message
+
+
+def stream_events(fmt, pieces: list[str], finish_reason: str = "stop", matched=None) -> list[tuple[str, dict]]:
+    """The step events of `pieces` streamed through MessageEvents (no start, no finish)."""
+    events = MessageEvents("msg_1", "m", fmt)
+    text = "".join(f for i, piece in enumerate(pieces)
+                   for f in events.step(piece, finish_reason if i == len(pieces) - 1 else None, matched))
+    return sse_frames(text)
+
+
+def joined(frames, index: int, kind: str, key: str) -> str:
+    return "".join(d["delta"][key] for n, d in frames if n == "content_block_delta" and d["index"] == index
+                   and d["delta"]["type"] == kind)
+
+
+def test_thinking_then_text_as_blocks():
+    """--reasoning-parser: the thinking is a thinking block before the text block, whole or streamed."""
+    fmt = OutputFormat(plan_tools(translate()), think_format("qwen3"))
+    text = "<think>\nI add.\n</think>\n\nIt is 4."
+    reply, finish = answer(fmt, text, "stop")
+    assert [b.model_dump() for b in message_blocks(reply)] == [
+        {"type": "thinking", "thinking": "I add.", "signature": ""},
+        {"type": "text", "text": "It is 4.", "citations": None}]
+    frames = stream_events(fmt, [text[i:i + 3] for i in range(0, len(text), 3)])
+    starts = [d["content_block"]["type"] for n, d in frames if n == "content_block_start"]
+    assert starts == ["thinking", "text"] and [n for n, _ in frames][-1] == "content_block_stop"
+    assert joined(frames, 0, "thinking_delta", "thinking") == "I add."
+    assert joined(frames, 1, "text_delta", "text") == "It is 4."
+
+
+def test_hermes_calls_after_text_as_blocks():
+    """--tool-call-parser hermes: the text before a <tool_call> block, then a tool_use block."""
+    fmt = OutputFormat(plan_tools(translate(tools=[WEATHER])), tool_parser="hermes")
+    text = 'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    reply, finish = answer(fmt, text, "stop")
+    blocks = message_blocks(reply)
+    assert [b.type for b in blocks] == ["text", "tool_use"] and blocks[1].input == {"city": "Oslo"}
+    assert stop_reason(finish, None, True) == ("tool_use", None)
+    frames = stream_events(fmt, [text[i:i + 5] for i in range(0, len(text), 5)])
+    starts = [d["content_block"] for n, d in frames if n == "content_block_start"]
+    assert [b["type"] for b in starts] == ["text", "tool_use"] and starts[1]["name"] == "get_weather"
+    assert joined(frames, 0, "text_delta", "text") == "Let me look."
+    assert json.loads(joined(frames, 1, "input_json_delta", "partial_json")) == {"city": "Oslo"}
+
+
+def test_stop_reasons():
+    assert stop_reason("length", None, True) == ("max_tokens", None)
+    assert stop_reason("stop", "\n\n", False) == ("stop_sequence", "\n\n")
+    assert stop_reason("stop", 2, False) == stop_reason("stop", None, False) == ("end_turn", None)
 
 
 # ------------------------------------------------------------------------ the real server

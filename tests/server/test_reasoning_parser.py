@@ -69,3 +69,18 @@ def test_tools_reach_qwen3s_template_and_plain_answers_stay_content(server):
     assert with_tools.json()["usage"]["prompt_tokens"] > without.json()["usage"]["prompt_tokens"] + 20
     message = with_tools.json()["choices"][0]["message"]
     assert "<tool_call>" not in (message["content"] or "") or message.get("tool_calls")
+
+
+def test_anthropic_thinking_disabled_and_tools_reach_the_template(server):
+    """/v1/messages renders through the same template: `thinking: disabled` is enable_thinking
+    false, and its tools are the template's tools (counted by /v1/messages/count_tokens)."""
+    def count(**body) -> int:
+        r = httpx.post(server.url + "/v1/messages/count_tokens",
+                       json={"model": "SmolLM2-135M-Instruct", "messages": MESSAGES, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["input_tokens"]
+
+    plain = count()
+    assert count(thinking={"type": "disabled"}) > plain
+    tool = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    assert count(tools=[tool]) > plain + 20
