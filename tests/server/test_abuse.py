@@ -2,7 +2,7 @@
 
 For each case one hostile request is sent while a canary (streaming completions, back to back)
 keeps reading tokens and /health is polled. Asserted: the hostile request gets a 2xx or a 4xx
-with an OpenAI error body (never a 5xx, never a hang); the canary is never silent for more than
+with an OpenAI error body (Anthropic's on /v1/messages; never a 5xx, never a hang); the canary is never silent for more than
 about a second beyond its normal inter-token gap; /health answers 200 throughout, promptly; no
 finish_reason is outside OpenAI's; the pool is free afterwards. The classes: KV pressure (samples
 that outgrow the pool, widths past max_num_seqs), numeric extremes in every field of both
@@ -23,6 +23,7 @@ from benchmarks.abuse import FLAGS, MODEL, Canary, echo_logprobs_body, health_po
 from tests.server.conftest import start_server
 from tests.server.support import wait_pool_free
 OPENAI_FINISH = {"stop", "length", "tool_calls", None}
+ANTHROPIC_STOP = {"end_turn", "max_tokens", "stop_sequence", "tool_use"}
 SLACK_S = 1.0  # silence allowed beyond the canary's normal inter-token gap
 
 
@@ -62,12 +63,18 @@ def check(abuse, hostile, expect: tuple[int, ...] = (200, 400)) -> httpx.Respons
     if resp is not None:
         assert resp.status_code in expect, (resp.status_code, resp.text[:500])
         assert resp.status_code < 500
+        anthropic = resp.request.url.path.startswith("/v1/messages")
         if resp.status_code >= 400:
-            error = resp.json()["error"]
-            assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+            body = resp.json()
+            error = body["error"]
+            keys = {"message", "type"} if anthropic else {"message", "type", "param", "code"}
+            assert set(error) == keys and error["message"], error
+            assert body.get("type") == "error" or not anthropic, body
         elif resp.headers.get("content-type", "").startswith("application/json"):
             for choice in resp.json().get("choices", []):
                 assert choice.get("finish_reason") in OPENAI_FINISH, choice
+            if anthropic and "stop_reason" in resp.json():
+                assert resp.json()["stop_reason"] in ANTHROPIC_STOP, resp.json()
     return resp
 
 
@@ -140,6 +147,8 @@ FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_
                 "length_penalty"]
 INT_FIELDS = ["n", "best_of", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"]
 CHAT_INT_FIELDS = ["n", "max_tokens", "max_completion_tokens", "min_tokens", "top_k", "seed", "top_logprobs"]
+ANTHROPIC_FLOAT_FIELDS = ["temperature", "top_p"]
+ANTHROPIC_INT_FIELDS = ["max_tokens", "top_k"]
 
 
 def numeric_cases() -> list[tuple]:
@@ -150,6 +159,8 @@ def numeric_cases() -> list[tuple]:
         cases += [(endpoint, f, v) for f in ints for v in INT_EXTREMES]
         cases += [(endpoint, "logit_bias", (("42", v),)) for v in FLOAT_EXTREMES]
         cases += [(endpoint, "stop_token_ids", (v,)) for v in INT_EXTREMES]
+    cases += [("/v1/messages", f, v) for f in ANTHROPIC_FLOAT_FIELDS for v in FLOAT_EXTREMES]
+    cases += [("/v1/messages", f, v) for f in ANTHROPIC_INT_FIELDS for v in INT_EXTREMES]
     return cases
 
 
@@ -161,13 +172,19 @@ CI_NUMERIC = {("/v1/completions", "top_p", 1e-300), ("/v1/completions", "tempera
               ("/v1/chat/completions", "top_p", 5e-324), ("/v1/chat/completions", "temperature", 1e-300),
               ("/v1/chat/completions", "presence_penalty", -1e308), ("/v1/chat/completions", "seed", 2**64),
               ("/v1/chat/completions", "max_completion_tokens", 10**30), ("/v1/completions", "length_penalty", 1e308),
-              ("/v1/completions", "logit_bias", (("42", 1e308),)), ("/v1/chat/completions", "stop_token_ids", (2**64,))}
+              ("/v1/completions", "logit_bias", (("42", 1e308),)), ("/v1/chat/completions", "stop_token_ids", (2**64,)),
+              ("/v1/messages", "top_p", 5e-324), ("/v1/messages", "max_tokens", 10**300),
+              ("/v1/messages", "top_k", 2**63 - 1)}
 
 
 def numeric_body(endpoint: str, name: str, value) -> dict:
     body = {"model": MODEL, "max_tokens": 3}
     if endpoint == "/v1/completions":
         body["prompt"] = "Hi"
+    elif endpoint == "/v1/messages":
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+        body[name] = value
+        return body
     else:
         body["messages"] = [{"role": "user", "content": "Hi"}]
     if name in ("max_tokens", "max_completion_tokens"):
@@ -185,7 +202,7 @@ def numeric_body(endpoint: str, name: str, value) -> dict:
 def _case_id(case: tuple) -> str:
     endpoint, name, value = case
     text = repr(value)
-    where = "chat" if "chat" in endpoint else "completions"
+    where = "chat" if "chat" in endpoint else "messages" if "messages" in endpoint else "completions"
     return f"{where}-{name}-{text if len(text) <= 24 else text[:12] + '...'}"
 
 
@@ -201,6 +218,10 @@ def big_bodies() -> dict:
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     comp = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    msgs = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    nested_input: dict = {}
+    for _ in range(55):  # under --max-json-depth with the body's own levels
+        nested_input = {"a": nested_input}
     nested = b'{"model": "' + MODEL.encode() + b'", "prompt": "Hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     return {
         "40k_tools": ("/v1/chat/completions", {**chat, "tools": [
@@ -223,13 +244,34 @@ def big_bodies() -> dict:
         "500k_detokenize": ("/detokenize", {"model": MODEL, "tokens": [42] * 500_000}),
         "5MB_body": ("/v1/completions", {**comp, "prompt": "x" * (5 * 1024 * 1024)}),
         "missing_model": ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+        # Anthropic's /v1/messages: the same limits under its own field names
+        "messages_40k_tools": ("/v1/messages", {**msgs, "tools": [
+            {"name": f"tool_{i}", "input_schema": {"type": "object"}} for i in range(40_000)]}),
+        "messages_many_stop_sequences": ("/v1/messages", {**msgs, "stop_sequences": [f"s{i}" for i in range(10_000)]}),
+        "messages_long_stop_sequence": ("/v1/messages", {**msgs, "stop_sequences": ["x" * 100_000]}),
+        "messages_5k_messages": ("/v1/messages", {**msgs, "messages": [{"role": "user", "content": "hi"}] * 5000}),
+        "messages_10k_blocks": ("/v1/messages", {**msgs, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi"}] * 10_000}]}),
+        "messages_3MB_tool_result": ("/v1/messages", {**msgs, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": "hello world " * 250_000}]}]}),
+        "messages_deep_tool_input": ("/v1/messages", {**msgs, "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": nested_input}]},
+            {"role": "user", "content": "Hi"}]}),
+        "messages_3MB_count_tokens": ("/v1/messages/count_tokens", {"model": MODEL, "messages": [
+            {"role": "user", "content": "hello world " * 250_000}]}),
+        "messages_missing_max_tokens": ("/v1/messages", {"model": MODEL, "messages": msgs["messages"]}),
+        "messages_5MB_body": ("/v1/messages", {**msgs, "system": "x" * (5 * 1024 * 1024)}),
     }
 
 
 CI_SIZES = {"40k_tools", "100k_stop_token_ids", "long_stop_string", "5k_messages", "3MB_prompt", "deep_nesting",
-            "slow_regex", "5MB_body", "missing_model", "16_stop_strings_at_the_limit"}
+            "slow_regex", "5MB_body", "missing_model", "16_stop_strings_at_the_limit", "messages_40k_tools",
+            "messages_long_stop_sequence", "messages_3MB_tool_result", "messages_missing_max_tokens",
+            "messages_5MB_body"}
 EXPECT = {"5MB_body": (413,), "missing_model": (400,), "16_stop_strings_at_the_limit": (200,), "3MB_tokenize": (200,),
-          "64_prompts": (200,), "500k_detokenize": (200, 400)}
+          "64_prompts": (200,), "500k_detokenize": (200, 400), "messages_3MB_count_tokens": (200,),
+          "messages_deep_tool_input": (200, 400), "messages_5MB_body": (413,)}
 
 
 @pytest.mark.parametrize("case", [pytest.param(name, marks=() if name in CI_SIZES else pytest.mark.slow)
