@@ -1,8 +1,8 @@
 """Schema-driven fuzzing with schemathesis: requests generated from the server's own OpenAPI
 schema (/openapi.json), both schema-valid ("positive") and schema-violating ("negative"), sent
 to the shared real server (default model). Every answer must come back (no hang: a per-request
-timeout) and be below 500; every error must be in OpenAI's shape; afterwards the server is
-healthy and its KV pool all free.
+timeout) and be below 500; every error must be in OpenAI's shape (Anthropic's on /v1/messages);
+afterwards the server is healthy and its KV pool all free.
 
 Generations stay tiny: before a request is sent, a positive max_tokens / max_completion_tokens
 (or a missing one, whose default may be the rest of the context) becomes at most 2, and n and
@@ -36,14 +36,15 @@ from schemathesis import GenerationMode
 from tests.server.support import wait_pool_free
 
 TIMEOUT_S = 60  # one request; past it the server counts as hung
-GENERATING = {"POST /v1/completions", "POST /v1/chat/completions"}
+GENERATING = {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/messages"}
 WITH_INPUTS = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
-               "GET /v1/models/{model}", "GET /kv/requests/{request_id}"]
+               "GET /v1/models/{model}", "GET /kv/requests/{request_id}",
+               "POST /v1/messages", "POST /v1/messages/count_tokens"]
 WITHOUT_INPUTS = ["GET /health", "GET /version", "GET /v1/models", "GET /metrics", "GET /kv/blocks"]
 # Requests per generation mode (positive and negative) and endpoint, in CI.
 CI_EXAMPLES = {"POST /v1/completions": 20, "POST /v1/chat/completions": 20, "POST /tokenize": 40,
                "POST /detokenize": 40, "GET /v1/models/{model}": 40,
-               "GET /kv/requests/{request_id}": 20}
+               "GET /kv/requests/{request_id}": 20, "POST /v1/messages": 20, "POST /v1/messages/count_tokens": 20}
 STATS: dict[str, Counter] = {}
 
 
@@ -113,14 +114,45 @@ def repair(body, model: str):
     return body
 
 
+ANTHROPIC_FIELDS = {"model", "messages", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
+                    "metadata"}
+
+
+def repair_anthropic(body, model: str):
+    """`repair` for /v1/messages*: text blocks, the user's turn last, declared fields only."""
+    if not isinstance(body, dict):
+        return body
+    body = {k: v for k, v in body.items() if k in ANTHROPIC_FIELDS}
+    body["model"] = model
+    messages = [m for m in body.get("messages") or [] if isinstance(m, dict)] or [{"role": "user"}]
+    body["messages"] = [{"role": m.get("role") if m.get("role") in ("user", "assistant") else "user",
+                         "content": m["content"] if isinstance(m.get("content"), str) and m["content"] else
+                         [{"type": "text", "text": "x"}]} for m in messages]
+    body["messages"][-1]["role"] = "user"
+    if isinstance(body.get("temperature"), (int, float)):
+        body["temperature"] = abs(body["temperature"]) % 1
+    if isinstance(body.get("stop_sequences"), list):
+        body["stop_sequences"] = [s for s in body["stop_sequences"] if s][:4]
+    if not isinstance(body.get("metadata"), dict):
+        body.pop("metadata", None)
+    return body
+
+
 def check_response(case, response: schemathesis.Response) -> None:
     what = f"{case.operation.label} body={case.body!r:.600} path={case.path_parameters}"
     assert response.status_code < 500, f"{what} -> {response.status_code} {response.text[:500]}"
+    anthropic = case.operation.label.startswith("POST /v1/messages")
     if response.status_code >= 400:
-        error = response.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["message"], what
+        body = response.json()
+        keys = {"message", "type"} if anthropic else {"message", "type", "param", "code"}
+        assert set(body["error"]) == keys and body["error"]["message"], what
+        assert body.get("type") == "error" or not anthropic, what
     elif (response.headers.get("content-type") or [""])[0].startswith("text/event-stream"):
-        assert response.text.endswith("data: [DONE]\n\n"), f"{what}: unterminated stream {response.text[-300:]}"
+        if anthropic:  # the last event ends the message, or says why it could not
+            last = response.text.rstrip("\n").rsplit("\n\n", 1)[-1]
+            assert last.startswith(("event: message_stop", "event: error")), f"{what}: unterminated {last[-300:]}"
+        else:
+            assert response.text.endswith("data: [DONE]\n\n"), f"{what}: unterminated stream {response.text[-300:]}"
     elif case.operation.label != "GET /metrics":
         json.loads(response.text)
 
@@ -138,7 +170,8 @@ def fuzz(url: str, schema, label: str, examples: int) -> Counter:
         @given(case=operation.as_strategy(mode), fix=st.booleans())
         def run(case, fix):
             if fix and mode is GenerationMode.POSITIVE:
-                case.body = repair(case.body, served)
+                fix_body = repair_anthropic if label.startswith("POST /v1/messages") else repair
+                case.body = fix_body(case.body, served)
                 if "model" in (case.path_parameters or {}):
                     case.path_parameters = {"model": served}
             if label in GENERATING:
