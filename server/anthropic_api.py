@@ -111,8 +111,9 @@ def _check_block(block: ContentBlock, where: str, types: tuple[str, ...]) -> Non
         raise bad_request(f"content blocks of type {shown(block.type, 64)!r} are not supported here (only {known}).",
                           param=f"{where}.type")
     _no_extra(block, f"{where}.")
-    for name in sorted(block.model_fields_set - _ANY_BLOCK - _BLOCK_FIELDS[block.type]):
-        raise bad_request(f"a {block.type} block has no field {name!r}.", param=f"{where}.{name}")
+    foreign = sorted(block.model_fields_set - _ANY_BLOCK - _BLOCK_FIELDS[block.type])
+    if foreign:
+        raise bad_request(f"a {block.type} block has no field {foreign[0]!r}.", param=f"{where}.{foreign[0]}")
     for name in _REQUIRED.get(block.type, ()):
         if getattr(block, name) is None:
             raise bad_request(f"a {block.type} block needs {name!r}.", param=f"{where}.{name}")

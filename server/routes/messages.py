@@ -76,9 +76,9 @@ async def _full(ctx: ServerContext, fmt: OutputFormat, message_id: str, model: s
     try:
         (output,) = await collect(streams)
         (choice,) = output.outputs
-        text, finish_reason = answer(fmt, choice.text, choice.finish_reason)
+        reply, finish_reason = answer(fmt, choice.text, choice.finish_reason)
         usage = Usage.of(len(output.prompt_token_ids), len(choice.token_ids), output.num_cached_tokens)
-        result = message(message_id, model, text, finish_reason, choice.stop_reason, usage)
+        result = message(message_id, model, reply, finish_reason, choice.stop_reason, usage)
         return JSONResponse(result.model_dump())
     except (asyncio.CancelledError, OpenAIError):
         raise

@@ -2,10 +2,11 @@
 
 For each case one hostile request is sent while a canary (streaming completions, back to back)
 keeps reading tokens and /health is polled. Asserted: the hostile request gets a 2xx or a 4xx
-with an OpenAI error body (Anthropic's on /v1/messages; never a 5xx, never a hang); the canary is never silent for more than
-about a second beyond its normal inter-token gap; /health answers 200 throughout, promptly; no
-finish_reason is outside OpenAI's; the pool is free afterwards. The classes: KV pressure (samples
-that outgrow the pool, widths past max_num_seqs), numeric extremes in every field of both
+with an OpenAI error body (Anthropic's on /v1/messages; never a 5xx, never a hang); the canary
+is never silent for more than about a second beyond its normal inter-token gap; /health answers
+200 throughout, promptly; no finish_reason (stop_reason) is outside OpenAI's (Anthropic's); the
+pool is free afterwards. The classes: KV pressure (samples
+that outgrow the pool, widths past max_num_seqs), numeric extremes in every field of the
 endpoints, sizes (lists, strings, nesting, bodies), a reader that stops reading, and HTTP
 semantics. A representative subset runs in CI; `-m slow` runs every case.
 """

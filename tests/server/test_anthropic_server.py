@@ -22,6 +22,7 @@ from server.errors import OpenAIError
 from server.reasoning import think_format
 from server.settings import ServerSettings
 from server.tools import plan_tools
+from tests.server.faulty_engine import FAIL as FAULT
 from tests.server.support import post, wait_pool_free
 
 GREEDY = {"temperature": 0}
@@ -335,6 +336,23 @@ def test_malformed_bodies_and_the_sdk_errors(real_server, claude, model):
     # the chat route keeps OpenAI's shape
     assert "param" in post(real_server, "/v1/chat/completions", {"model": model, "messages": ASK,
                                                                   "max_tokens": 0}).json()["error"]
+
+
+def test_a_request_failing_in_the_engine_is_an_anthropic_error(real_server, claude, model, url):
+    """The request fails alone (tests/server/faulty_engine.py): a 500 api_error, or an `error`
+    event once the stream has started, which the SDK raises; the pool is freed."""
+    import anthropic
+
+    ask = [{"role": "user", "content": f"{FAULT} hello"}]
+    assert anthropic_error(post(real_server, "/v1/messages", {"model": model, "max_tokens": 4, "messages": ask}),
+                           500) == "api_error"
+    resp = post(real_server, "/v1/messages", {"model": model, "max_tokens": 4, "messages": ask, "stream": True})
+    name, data = sse_frames(resp.text)[-1]
+    assert name == "error" and data["error"]["type"] == "api_error" and "log" in data["error"]["message"]
+    with pytest.raises(anthropic.APIStatusError):
+        with claude.messages.stream(model=model, max_tokens=4, messages=ask) as stream:
+            list(stream.text_stream)
+    wait_pool_free(url)
 
 
 # ------------------------------------------------------------------ x-api-key (no engine)
