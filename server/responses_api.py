@@ -167,14 +167,17 @@ _TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",), "developer": 
                "assistant": ("output_text", "input_text", "refusal")}
 
 
-def input_messages(items: str | list[dict[str, Any]], param: str = "input") -> tuple[list[dict], list[str]]:
-    """The chat messages (ChatMessage's shape) of `input`, and for each the field it came from
-    (`input.<i>`), for errors. Raises OpenAIError naming the item (and its field) at fault."""
+def input_messages(items: str | list[dict[str, Any]], history: list[dict] = (),
+                   param: str = "input") -> tuple[list[dict], list[str]]:
+    """The chat messages (ChatMessage's shape) of `input` after `history`, and for each the field
+    it came from (`input.<i>`), for errors. Raises OpenAIError naming the item (and its field) at
+    fault."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}], [param]
     messages: list[dict] = []
     origins: list[str] = []
-    names: dict[str, str] = {}  # call_id -> function name, for the results
+    # call_id -> function name: a result names its function (the calls may be in the history)
+    names = {call["id"]: call["function"]["name"] for m in history for call in m.get("tool_calls") or []}
     for i, item in enumerate(items):
         where = f"{param}.{i}"
         kind = item.get("type", "message")
@@ -274,7 +277,7 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionR
     """The chat request for `req` after the stored conversation `history` (ChatMessage dicts);
     with the conversation to store (history and this input, without the instructions) and each
     chat message's origin, for `renamed`."""
-    messages, origins = input_messages(req.input)
+    messages, origins = input_messages(req.input, history)
     conversation = history + messages
     origins = ["previous_response_id"] * len(history) + origins
     chat = list(conversation)
