@@ -5,7 +5,7 @@ keeps reading tokens and /health is polled. Asserted: the hostile request gets a
 with an OpenAI error body (never a 5xx, never a hang); the canary is never silent for more than
 about a second beyond its normal inter-token gap; /health answers 200 throughout, promptly; no
 finish_reason is outside OpenAI's; the pool is free afterwards. The classes: KV pressure (samples
-that outgrow the pool, widths past max_num_seqs), numeric extremes in every field of both
+that outgrow the pool, widths past max_num_seqs), numeric extremes in every field of the
 endpoints, sizes (lists, strings, nesting, bodies), a reader that stops reading, and HTTP
 semantics. A representative subset runs in CI; `-m slow` runs every case.
 """
@@ -140,6 +140,8 @@ FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_
                 "length_penalty"]
 INT_FIELDS = ["n", "best_of", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"]
 CHAT_INT_FIELDS = ["n", "max_tokens", "max_completion_tokens", "min_tokens", "top_k", "seed", "top_logprobs"]
+RESPONSES_FLOAT_FIELDS = ["temperature", "top_p"]
+RESPONSES_INT_FIELDS = ["max_output_tokens", "max_tool_calls", "top_logprobs"]
 
 
 def numeric_cases() -> list[tuple]:
@@ -150,6 +152,8 @@ def numeric_cases() -> list[tuple]:
         cases += [(endpoint, f, v) for f in ints for v in INT_EXTREMES]
         cases += [(endpoint, "logit_bias", (("42", v),)) for v in FLOAT_EXTREMES]
         cases += [(endpoint, "stop_token_ids", (v,)) for v in INT_EXTREMES]
+    cases += [("/v1/responses", f, v) for f in RESPONSES_FLOAT_FIELDS for v in FLOAT_EXTREMES]
+    cases += [("/v1/responses", f, v) for f in RESPONSES_INT_FIELDS for v in INT_EXTREMES]
     return cases
 
 
@@ -161,10 +165,16 @@ CI_NUMERIC = {("/v1/completions", "top_p", 1e-300), ("/v1/completions", "tempera
               ("/v1/chat/completions", "top_p", 5e-324), ("/v1/chat/completions", "temperature", 1e-300),
               ("/v1/chat/completions", "presence_penalty", -1e308), ("/v1/chat/completions", "seed", 2**64),
               ("/v1/chat/completions", "max_completion_tokens", 10**30), ("/v1/completions", "length_penalty", 1e308),
-              ("/v1/completions", "logit_bias", (("42", 1e308),)), ("/v1/chat/completions", "stop_token_ids", (2**64,))}
+              ("/v1/completions", "logit_bias", (("42", 1e308),)), ("/v1/chat/completions", "stop_token_ids", (2**64,)),
+              ("/v1/responses", "temperature", 1e308), ("/v1/responses", "top_p", 5e-324),
+              ("/v1/responses", "max_output_tokens", 10**300), ("/v1/responses", "max_output_tokens", -1)}
 
 
 def numeric_body(endpoint: str, name: str, value) -> dict:
+    if endpoint == "/v1/responses":
+        body = {"model": MODEL, "input": "Hi", "max_output_tokens": 3}
+        body[name] = value
+        return body
     body = {"model": MODEL, "max_tokens": 3}
     if endpoint == "/v1/completions":
         body["prompt"] = "Hi"
@@ -185,7 +195,7 @@ def numeric_body(endpoint: str, name: str, value) -> dict:
 def _case_id(case: tuple) -> str:
     endpoint, name, value = case
     text = repr(value)
-    where = "chat" if "chat" in endpoint else "completions"
+    where = "chat" if "chat" in endpoint else ("responses" if "responses" in endpoint else "completions")
     return f"{where}-{name}-{text if len(text) <= 24 else text[:12] + '...'}"
 
 
@@ -201,6 +211,8 @@ def big_bodies() -> dict:
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     comp = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    resp = {"model": MODEL, "input": "Hi", "max_output_tokens": 2}
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"x": 1}'}
     nested = b'{"model": "' + MODEL.encode() + b'", "prompt": "Hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     return {
         "40k_tools": ("/v1/chat/completions", {**chat, "tools": [
@@ -223,13 +235,22 @@ def big_bodies() -> dict:
         "500k_detokenize": ("/detokenize", {"model": MODEL, "tokens": [42] * 500_000}),
         "5MB_body": ("/v1/completions", {**comp, "prompt": "x" * (5 * 1024 * 1024)}),
         "missing_model": ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+        "5k_input_items": ("/v1/responses", {**resp, "input": [{"role": "user", "content": "hi"}] * 5000}),
+        "2k_function_calls": ("/v1/responses", {**resp, "input": [{"role": "user", "content": "hi"}] + [
+            {**call, "call_id": f"c{i}"} for i in range(2000)]}),
+        "3MB_instructions": ("/v1/responses", {**resp, "instructions": "hello world " * 250_000}),
+        "40k_response_tools": ("/v1/responses", {**resp, "tools": [
+            {"type": "function", "name": f"tool_{i}"} for i in range(40_000)]}),
+        "3MB_previous_response_id": ("/v1/responses", {**resp, "previous_response_id": "r" * 3_000_000}),
+        "1k_metadata": ("/v1/responses", {**resp, "metadata": {f"k{i}": "v" * 512 for i in range(1000)}}),
     }
 
 
 CI_SIZES = {"40k_tools", "100k_stop_token_ids", "long_stop_string", "5k_messages", "3MB_prompt", "deep_nesting",
-            "slow_regex", "5MB_body", "missing_model", "16_stop_strings_at_the_limit"}
+            "slow_regex", "5MB_body", "missing_model", "16_stop_strings_at_the_limit", "5k_input_items",
+            "2k_function_calls", "3MB_previous_response_id"}
 EXPECT = {"5MB_body": (413,), "missing_model": (400,), "16_stop_strings_at_the_limit": (200,), "3MB_tokenize": (200,),
-          "64_prompts": (200,), "500k_detokenize": (200, 400)}
+          "64_prompts": (200,), "500k_detokenize": (200, 400), "3MB_previous_response_id": (404,)}
 
 
 @pytest.mark.parametrize("case", [pytest.param(name, marks=() if name in CI_SIZES else pytest.mark.slow)
