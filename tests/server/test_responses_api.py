@@ -11,6 +11,7 @@ import sqlite3
 import pytest
 
 from server.chat_output import ChoiceStream, OutputFormat, answer
+from server.cli import parse_args
 from server.errors import OpenAIError
 from server.protocol import ChatCompletionRequest
 from server.reasoning import think_format
@@ -157,3 +158,12 @@ def test_the_sqlite_store_outlives_its_process_in_wal_mode(tmp_path):
     assert again.get("r0") is None and again.get("r1") is None
     assert again.get("r3").response == {"id": "x", "pad": "ppp"} and len(again) == 2
     again.close()
+
+
+def test_the_store_flags_and_their_defaults():
+    default = parse_args([]).settings
+    assert (default.responses_store, default.responses_store_max_count,
+            default.responses_store_max_bytes) == (None, 1000, 64 * 1024**2)
+    s = parse_args(["--responses-store", "/tmp/r.db", "--responses-store-max-count", "5",
+                    "--responses-store-max-bytes", "1MiB"]).settings
+    assert (s.responses_store, s.responses_store_max_count, s.responses_store_max_bytes) == ("/tmp/r.db", 5, 1024**2)
