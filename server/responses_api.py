@@ -298,7 +298,7 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionR
 
 
 _RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-            "response_format": "text.format", "top_logprobs": "top_logprobs"}
+            "response_format": "text.format"}
 
 
 def renamed_param(param: str | None, origins: list[str]) -> str | None:

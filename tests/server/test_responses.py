@@ -161,6 +161,21 @@ def test_structured_output_parses_with_the_sdk(client, model):
         assert isinstance(json.loads(loose.output_text), dict)
 
 
+def test_a_failure_in_flight_is_response_failed_and_nothing_is_stored(real_server, model):
+    body = {"model": model, "input": "FAULT:FAIL Say hello.", "max_output_tokens": 8, "stream": True}
+    with httpx.stream("POST", real_server.url + "/v1/responses", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        events = events_of(resp.read().decode())
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    failed = events[-1]
+    assert failed["type"] == "response.failed" and failed["sequence_number"] == len(events) - 1
+    assert failed["response"]["status"] == "failed" and failed["response"]["error"]["message"]
+    assert httpx.get(f"{real_server.url}/v1/responses/{events[0]['response']['id']}").status_code == 404
+    whole = post(real_server, "/v1/responses", {**body, "stream": False})
+    assert_error(whole, 500)
+    wait_pool_free(real_server.url)
+
+
 BAD = [
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
