@@ -247,3 +247,30 @@ def test_the_store_is_bounded_and_its_file_outlives_a_restart(tmp_path):
         assert r.previous_response_id == ids[1]
     finally:
         assert server.stop() == 0, server.log()[-3000:]
+
+
+# A chatml template that opens the thinking for the model: with --reasoning-parser everything up
+# to </think> (all a 135M model writes) is reasoning.
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+
+
+def test_a_reasoning_parser_gives_reasoning_items_whole_and_streamed():
+    server = start_server(*REAL_FLAGS, "--chat-template", THINKING_TEMPLATE, "--reasoning-parser", "qwen3")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        kwargs = dict(model="SmolLM2-135M-Instruct", input="What is 2 + 2?", max_output_tokens=8, temperature=0)
+        whole = client.responses.create(**kwargs)
+        (item,) = whole.output
+        assert item.type == "reasoning" and item.summary[0].type == "summary_text" and item.summary[0].text
+        chat = client.chat.completions.create(model=kwargs["model"], max_tokens=8, temperature=0,
+                                              messages=[{"role": "user", "content": kwargs["input"]}])
+        assert chat.choices[0].message.model_extra["reasoning_content"] == item.summary[0].text
+        events = list(client.responses.create(stream=True, **kwargs))
+        deltas = [e.delta for e in events if e.type == "response.reasoning_summary_text.delta"]
+        assert "".join(deltas) == item.summary[0].text
+        assert [e.type for e in events if e.type.startswith("response.reasoning_summary_part")] == [
+            "response.reasoning_summary_part.added", "response.reasoning_summary_part.done"]
+        assert events[-1].type == f"response.{whole.status}" and events[-1].response.output[0].type == "reasoning"
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
