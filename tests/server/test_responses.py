@@ -1,7 +1,8 @@
 """/v1/responses on the session's real server, driven by the official `openai` SDK (text,
 streaming, tools, structured output, a stored conversation of three turns) and by raw HTTP (the
-event stream's order and fields, the 400s and 404s in OpenAI's error shape); and the store's
-bounds and its SQLite file across a restart, on a server of their own."""
+event stream's order and fields, a failure in flight, the 400s and 404s in OpenAI's error
+shape); and on servers of their own, the store's bounds and its SQLite file across a restart,
+and reasoning items with --reasoning-parser."""
 
 from __future__ import annotations
 
