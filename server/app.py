@@ -24,7 +24,8 @@ from server.generation_defaults import load_generation_defaults
 from server.input_processor import InputProcessor
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from server.protocol import now
-from server.routes import chat, completions, messages, models, ops, tokenize
+from server.responses_store import ResponseStore
+from server.routes import chat, completions, messages, models, ops, responses, tokenize
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
     engine = AsyncEngine(engine_factory, max_queued_requests=settings.max_queued_requests,
                          stall_timeout=settings.engine_stall_timeout, freeze_gc=True)
     ctx = ServerContext(settings=settings, engine=engine)
+    ctx.responses = ResponseStore(settings.responses_store_max_count, settings.responses_store_max_bytes,
+                                  settings.responses_store)
     engine.on_ready = lambda llm: _on_engine_ready(ctx, llm)
 
     @asynccontextmanager
@@ -59,15 +62,17 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
             engine.shutdown()
             if ctx.inputs is not None:
                 ctx.inputs.shutdown()
+            ctx.responses.close()
 
     app = FastAPI(title="paged-serve", version=_version(), lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
-    for module in (completions, chat, messages, models, tokenize, ops):
+    for module in (completions, chat, responses, messages, models, tokenize, ops):
         app.include_router(module.router)
 
     # Middleware: the last added is the outermost (CORS, then auth, then the body's checks).
     counts = {"messages": (settings.max_messages, "messages"), "tools": (settings.max_tools, "tools"),
+              "input": (settings.max_messages, "items"),
               "stop": (settings.max_stop_sequences, "sequences"),
               "stop_sequences": (settings.max_stop_sequences, "sequences"),  # /v1/messages
               "stop_token_ids": (settings.max_stop_token_ids, "token ids"),

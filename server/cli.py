@@ -32,7 +32,7 @@ ENGINE_FLAGS = (
 
 # Limit flags given as sizes ('64KiB'); dest name == ServerSettings field name.
 SIZE_FLAGS = ("max_request_body_bytes", "max_tool_schema_bytes", "max_total_tool_schema_bytes",
-              "max_structured_output_bytes")
+              "max_structured_output_bytes", "responses_store_max_bytes")
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="largest request body, e.g. 4MiB (a larger one is answered 413)")
     lim.add_argument("--max-queued-requests", type=int, default=None,
                      help="answer 429 (Retry-After) once this many requests wait (default: unbounded)")
+    lim.add_argument("--responses-store", default=None, metavar="PATH",
+                     help="keep /v1/responses' stored responses in this SQLite file across restarts "
+                          "(default: in memory only)")
+    lim.add_argument("--responses-store-max-count", type=_positive, default=1000,
+                     help="most stored responses (/v1/responses store); the oldest go first")
+    lim.add_argument("--responses-store-max-bytes", default="64MiB",
+                     help="most bytes of stored responses (their JSON, all together); the oldest go first")
     lim.add_argument("--engine-stall-timeout", type=float, default=120.0,
                      help="seconds: when the engine has pending work but no step has finished for this long, "
                           "/health answers 503")
@@ -293,6 +300,8 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
         max_json_depth=args.max_json_depth,
         max_tokens_limit=args.max_tokens_limit,
         max_queued_requests=args.max_queued_requests,
+        responses_store=args.responses_store,
+        responses_store_max_count=args.responses_store_max_count,
         engine_stall_timeout=args.engine_stall_timeout,
         **sizes,
         shutdown_timeout=args.shutdown_timeout,

@@ -32,6 +32,7 @@ class ServerContext:
     # Sampling defaults from --generation-config (server/generation_defaults.py) and their file.
     generation_defaults: dict = field(default_factory=dict)
     generation_config_file: str | None = None
+    responses: Any = None  # server.responses_store.ResponseStore (/v1/responses' stored responses)
     draining: bool = False  # SIGTERM received: new requests get 503
     extra: dict = field(default_factory=dict)
 

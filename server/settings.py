@@ -38,6 +38,10 @@ class ServerSettings:
     max_tokens_limit: int | None = None  # None: only the context bounds max_tokens
     max_request_body_bytes: int = 4 * 1024 * 1024
     max_queued_requests: int | None = None  # None: unbounded waiting queue
+    # /v1/responses' stored responses (server/responses_store.py): the oldest go past either bound.
+    responses_store: str | None = None  # a SQLite file that keeps them across restarts; None: memory only
+    responses_store_max_count: int = 1000
+    responses_store_max_bytes: int = 64 * 1024 * 1024  # their JSON, all together
     # Health: pending work but no engine step finished for this long (seconds) -> /health answers 503.
     engine_stall_timeout: float = 120.0
     # Shutdown.

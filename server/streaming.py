@@ -30,25 +30,28 @@ def sse_error(error: OpenAIError) -> str:
 
 
 async def sse_body(ctx: ServerContext, streams: list[RequestStream], chunks: AsyncIterator[str],
-                   tracker: StreamTracker, usage_chunk: Callable[[UsageInfo], str] | None) -> AsyncIterator[str]:
+                   tracker: StreamTracker, usage_chunk: Callable[[UsageInfo], str] | None,
+                   done: str = DONE, error_frame: Callable[[OpenAIError], str] = sse_error) -> AsyncIterator[str]:
     """A streaming response's body: the route's choice `chunks` (SSE frames read from `streams`
     through `tracker`), then, if `usage_chunk` is given, the frame it makes of the usage counted by
-    `tracker` once `chunks` is exhausted, then `data: [DONE]`.
+    `tracker` once `chunks` is exhausted, then `done` (`data: [DONE]`; "" for APIs without one).
 
-    A failure after the headers went out becomes an in-band error frame and `[DONE]`; a client
-    disconnect (cancellation) is counted and re-raised. `streams` are released on every path."""
+    A failure after the headers went out becomes the in-band `error_frame(error)` and `done`; a
+    client disconnect (cancellation) is counted and re-raised. `streams` are released on every path."""
     try:
         async for chunk in chunks:
             yield chunk
         if usage_chunk is not None:
             yield usage_chunk(tracker.usage())
-        yield DONE
+        if done:
+            yield done
     except asyncio.CancelledError:
         ctx.client_disconnected()
         raise
     except Exception as exc:  # noqa: BLE001 - headers are out: report in-band
         error = exc if isinstance(exc, OpenAIError) else from_engine_error(exc, in_flight=True)
-        yield sse_error(error)
-        yield DONE
+        yield error_frame(error)
+        if done:
+            yield done
     finally:
         release(ctx.engine, streams)

@@ -4,18 +4,15 @@ top_logprobs, streaming, tool calls (server/tools.py)."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.core.sampling_params import SamplingParams
 from engine.loop.async_engine import RequestStream
-from server.admission import PromptSource, admit
 from server.context import ServerContext, get_ctx
-from server.errors import OpenAIError, bad_request, from_engine_error
+from server.errors import OpenAIError, from_engine_error
 from server.generation import StreamTracker, collect, merged, release, sorted_choices, start_requests, until_disconnect
 from server.logprobs import chat_logprobs
 from server.protocol import (
@@ -24,7 +21,6 @@ from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
-    ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
     UsageInfo,
@@ -34,57 +30,9 @@ from server.protocol import (
 from server.routes.common import require_ready
 from server.streaming import SSE_HEADERS, sse, sse_body
 from server.chat_output import ChoiceStream, OutputFormat, answer
-from server.tools import plan_tools
+from server.chat_request import prepare_chat
 
 router = APIRouter()
-
-
-def to_template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Plain `{role, content}` dicts for the chat template; text parts are joined by newlines,
-    a "developer" message becomes a "system" one.
-    An assistant message keeps its `tool_calls` (arguments as an object where they parse as
-    one, as HF templates expect), a tool message its `tool_call_id` (required) and `name`."""
-    result = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(f"Only text content parts are supported, got type {part.type!r}.",
-                                      param=f"messages.{i}.content")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        # NOTE: OpenAI's "developer" role (newer SDKs send it) is the system prompt by another
-        # name; chat templates know only "system".
-        role = "system" if message.role == "developer" else message.role
-        entry: dict[str, Any] = {"role": role, "content": content or ""}
-        if message.role == "tool":
-            if not message.tool_call_id:
-                raise bad_request("a tool message needs the tool_call_id of the call it answers.",
-                                  param=f"messages.{i}.tool_call_id")
-            entry["tool_call_id"] = message.tool_call_id
-            if message.name:
-                entry["name"] = message.name
-        if message.tool_calls:
-            if message.role != "assistant":
-                raise bad_request("only assistant messages carry tool_calls.", param=f"messages.{i}.tool_calls")
-            entry["tool_calls"] = [{"id": call.id or f"call_{i}_{j}", "type": "function",
-                                    "function": {"name": call.function.name,
-                                                 "arguments": _arguments(call.function.arguments)}}
-                                   for j, call in enumerate(message.tool_calls)]
-        result.append(entry)
-    return result
-
-
-def _arguments(arguments: str | dict) -> str | dict:
-    if isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments)
-        except ValueError:
-            return arguments
-        return parsed if isinstance(parsed, dict) else arguments
-    return arguments
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
@@ -92,14 +40,9 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     ctx = get_ctx(request)
     require_ready(ctx)
     model = ctx.check_model(req.model)
-    plan = plan_tools(req, ctx.settings)
-    messages = to_template_messages(req.messages)
-    admitted = await admit(ctx, req, PromptSource(messages=messages, plan=plan,
-                                                  template_kwargs=req.chat_template_kwargs))
+    prepared = await prepare_chat(ctx, req)
+    admitted, fmt = prepared.admitted, prepared.fmt
     params = admitted.params
-    think = ctx.settings.think_format
-    fmt = OutputFormat(plan, think, think is not None and think.opened_by(admitted.requests[0].text or ""),
-                       ctx.settings.tool_call_parser)
     request_id = random_id("chatcmpl")
     streams = await start_requests(ctx.engine, request_id, admitted.requests, bool(req.stream),
                                    prompt_param="messages")

@@ -17,16 +17,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.loop.async_engine import RequestStream
-from server.admission import Admitted, PromptSource, admit
 from server.anthropic_api import MessageEvents, event, message, to_chat_request
 from server.anthropic_errors import AnthropicRoute, error_body
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest, Usage
 from server.chat_output import OutputFormat, answer
+from server.chat_request import prepare_chat, to_template_messages
 from server.context import ServerContext, get_ctx
 from server.errors import OpenAIError, from_engine_error
 from server.generation import StreamTracker, collect, merged, release, start_requests, until_disconnect
-from server.protocol import ChatCompletionRequest
-from server.routes.chat import to_template_messages
 from server.routes.common import require_ready
 from server.streaming import SSE_HEADERS
 from server.tools import plan_tools
@@ -34,22 +32,13 @@ from server.tools import plan_tools
 router = APIRouter(route_class=AnthropicRoute)
 
 
-async def _admit(ctx: ServerContext, chat: ChatCompletionRequest) -> tuple[Admitted, OutputFormat]:
-    """The chat route's way from its request to engine requests, and how outputs are read."""
-    plan = plan_tools(chat, ctx.settings)
-    admitted = await admit(ctx, chat, PromptSource(messages=to_template_messages(chat.messages), plan=plan,
-                                                   template_kwargs=chat.chat_template_kwargs))
-    think = ctx.settings.think_format
-    opened = think is not None and think.opened_by(admitted.requests[0].text or "")
-    return admitted, OutputFormat(plan, think, opened, ctx.settings.tool_call_parser)
-
-
 @router.post("/v1/messages")
 async def create_message(req: MessagesRequest, request: Request) -> Response:
     ctx = get_ctx(request)
     require_ready(ctx)
     model = ctx.check_model(req.model)
-    admitted, fmt = await _admit(ctx, to_chat_request(req, ctx.settings))
+    prepared = await prepare_chat(ctx, to_chat_request(req, ctx.settings))
+    admitted, fmt = prepared.admitted, prepared.fmt
     message_id = f"msg_{uuid.uuid4().hex}"
     streams = await start_requests(ctx.engine, message_id, admitted.requests, bool(req.stream),
                                    prompt_param="messages")

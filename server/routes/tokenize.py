@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from server.context import get_ctx
 from server.errors import bad_request
 from server.protocol import DetokenizeRequest, TokenizeRequest
-from server.routes.chat import to_template_messages
+from server.chat_request import to_template_messages
 from server.routes.common import require_ready
 
 router = APIRouter()

@@ -150,6 +150,8 @@ INT_FIELDS = ["n", "best_of", "max_tokens", "min_tokens", "top_k", "seed", "logp
 CHAT_INT_FIELDS = ["n", "max_tokens", "max_completion_tokens", "min_tokens", "top_k", "seed", "top_logprobs"]
 ANTHROPIC_FLOAT_FIELDS = ["temperature", "top_p"]
 ANTHROPIC_INT_FIELDS = ["max_tokens", "top_k"]
+RESPONSES_FLOAT_FIELDS = ["temperature", "top_p"]
+RESPONSES_INT_FIELDS = ["max_output_tokens", "max_tool_calls", "top_logprobs"]
 
 
 def numeric_cases() -> list[tuple]:
@@ -162,6 +164,8 @@ def numeric_cases() -> list[tuple]:
         cases += [(endpoint, "stop_token_ids", (v,)) for v in INT_EXTREMES]
     cases += [("/v1/messages", f, v) for f in ANTHROPIC_FLOAT_FIELDS for v in FLOAT_EXTREMES]
     cases += [("/v1/messages", f, v) for f in ANTHROPIC_INT_FIELDS for v in INT_EXTREMES]
+    cases += [("/v1/responses", f, v) for f in RESPONSES_FLOAT_FIELDS for v in FLOAT_EXTREMES]
+    cases += [("/v1/responses", f, v) for f in RESPONSES_INT_FIELDS for v in INT_EXTREMES]
     return cases
 
 
@@ -175,10 +179,16 @@ CI_NUMERIC = {("/v1/completions", "top_p", 1e-300), ("/v1/completions", "tempera
               ("/v1/chat/completions", "max_completion_tokens", 10**30), ("/v1/completions", "length_penalty", 1e308),
               ("/v1/completions", "logit_bias", (("42", 1e308),)), ("/v1/chat/completions", "stop_token_ids", (2**64,)),
               ("/v1/messages", "top_p", 5e-324), ("/v1/messages", "max_tokens", 10**300),
-              ("/v1/messages", "top_k", 2**63 - 1)}
+              ("/v1/messages", "top_k", 2**63 - 1),
+              ("/v1/responses", "temperature", 1e308), ("/v1/responses", "top_p", 5e-324),
+              ("/v1/responses", "max_output_tokens", 10**300), ("/v1/responses", "max_output_tokens", -1)}
 
 
 def numeric_body(endpoint: str, name: str, value) -> dict:
+    if endpoint == "/v1/responses":
+        body = {"model": MODEL, "input": "Hi", "max_output_tokens": 3}
+        body[name] = value
+        return body
     body = {"model": MODEL, "max_tokens": 3}
     if endpoint == "/v1/completions":
         body["prompt"] = "Hi"
@@ -203,7 +213,8 @@ def numeric_body(endpoint: str, name: str, value) -> dict:
 def _case_id(case: tuple) -> str:
     endpoint, name, value = case
     text = repr(value)
-    where = "chat" if "chat" in endpoint else "messages" if "messages" in endpoint else "completions"
+    where = ("chat" if "chat" in endpoint else "messages" if "messages" in endpoint
+             else "responses" if "responses" in endpoint else "completions")
     return f"{where}-{name}-{text if len(text) <= 24 else text[:12] + '...'}"
 
 
@@ -223,6 +234,8 @@ def big_bodies() -> dict:
     nested_input: dict = {}
     for _ in range(55):  # under --max-json-depth with the body's own levels
         nested_input = {"a": nested_input}
+    resp = {"model": MODEL, "input": "Hi", "max_output_tokens": 2}
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"x": 1}'}
     nested = b'{"model": "' + MODEL.encode() + b'", "prompt": "Hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     return {
         "40k_tools": ("/v1/chat/completions", {**chat, "tools": [
@@ -263,16 +276,26 @@ def big_bodies() -> dict:
             {"role": "user", "content": "hello world " * 250_000}]}),
         "messages_missing_max_tokens": ("/v1/messages", {"model": MODEL, "messages": msgs["messages"]}),
         "messages_5MB_body": ("/v1/messages", {**msgs, "system": "x" * (5 * 1024 * 1024)}),
+        "5k_input_items": ("/v1/responses", {**resp, "input": [{"role": "user", "content": "hi"}] * 5000}),
+        "2k_function_calls": ("/v1/responses", {**resp, "input": [{"role": "user", "content": "hi"}] + [
+            {**call, "call_id": f"c{i}"} for i in range(2000)]}),
+        "3MB_instructions": ("/v1/responses", {**resp, "instructions": "hello world " * 250_000}),
+        "40k_response_tools": ("/v1/responses", {**resp, "tools": [
+            {"type": "function", "name": f"tool_{i}"} for i in range(40_000)]}),
+        "3MB_previous_response_id": ("/v1/responses", {**resp, "previous_response_id": "r" * 3_000_000}),
+        "1k_metadata": ("/v1/responses", {**resp, "metadata": {f"k{i}": "v" * 512 for i in range(1000)}}),
     }
 
 
 CI_SIZES = {"40k_tools", "100k_stop_token_ids", "long_stop_string", "5k_messages", "3MB_prompt", "deep_nesting",
             "slow_regex", "5MB_body", "missing_model", "16_stop_strings_at_the_limit", "messages_40k_tools",
             "messages_long_stop_sequence", "messages_3MB_tool_result", "messages_missing_max_tokens",
-            "messages_5MB_body"}
+            "messages_5MB_body", "5k_input_items",
+            "2k_function_calls", "3MB_previous_response_id"}
 EXPECT = {"5MB_body": (413,), "missing_model": (400,), "16_stop_strings_at_the_limit": (200,), "3MB_tokenize": (200,),
           "64_prompts": (200,), "500k_detokenize": (200, 400), "messages_3MB_count_tokens": (200,),
-          "messages_deep_tool_input": (200, 400), "messages_5MB_body": (413,)}
+          "messages_deep_tool_input": (200, 400), "messages_5MB_body": (413,),
+          "3MB_previous_response_id": (404,)}
 
 
 @pytest.mark.parametrize("case", [pytest.param(name, marks=() if name in CI_SIZES else pytest.mark.slow)
