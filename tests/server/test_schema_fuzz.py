@@ -36,15 +36,18 @@ from schemathesis import GenerationMode
 from tests.server.support import wait_pool_free
 
 TIMEOUT_S = 60  # one request; past it the server counts as hung
-GENERATING = {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/messages"}
+GENERATING = {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/messages", "POST /v1/responses"}
 WITH_INPUTS = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
                "GET /v1/models/{model}", "GET /kv/requests/{request_id}",
-               "POST /v1/messages", "POST /v1/messages/count_tokens"]
+               "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses",
+               "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}"]
 WITHOUT_INPUTS = ["GET /health", "GET /version", "GET /v1/models", "GET /metrics", "GET /kv/blocks"]
 # Requests per generation mode (positive and negative) and endpoint, in CI.
 CI_EXAMPLES = {"POST /v1/completions": 20, "POST /v1/chat/completions": 20, "POST /tokenize": 40,
                "POST /detokenize": 40, "GET /v1/models/{model}": 40,
-               "GET /kv/requests/{request_id}": 20, "POST /v1/messages": 20, "POST /v1/messages/count_tokens": 20}
+               "GET /kv/requests/{request_id}": 20, "POST /v1/messages": 20, "POST /v1/messages/count_tokens": 20,
+               "POST /v1/responses": 20, "GET /v1/responses/{response_id}": 10,
+               "DELETE /v1/responses/{response_id}": 10}
 STATS: dict[str, Counter] = {}
 
 
@@ -59,13 +62,14 @@ def test_the_schema_lists_every_route(schema):
     assert labels == set(WITH_INPUTS) | set(WITHOUT_INPUTS)
 
 
-def keep_small(body):
-    """Cap what makes a generation long; keep everything else as generated."""
+def keep_small(body, length_keys: tuple[str, ...] = ("max_tokens", "max_completion_tokens")):
+    """Cap what makes a generation long (`length_keys`: the route's length fields); keep
+    everything else as generated."""
     if not isinstance(body, dict):
         return body
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in length_keys:
         value = body.get(key)
-        if value is None and (key == "max_tokens" or "max_tokens" not in body):
+        if value is None and (key == length_keys[0] or length_keys[0] not in body):
             body[key] = 2
         elif isinstance(value, int) and not isinstance(value, bool) and value > 2:
             body[key] = 2
@@ -148,9 +152,12 @@ def check_response(case, response: schemathesis.Response) -> None:
         assert set(body["error"]) == keys and body["error"]["message"], what
         assert body.get("type") == "error" or not anthropic, what
     elif (response.headers.get("content-type") or [""])[0].startswith("text/event-stream"):
+        last = response.text.rstrip("\n").rsplit("\n\n", 1)[-1]
         if anthropic:  # the last event ends the message, or says why it could not
-            last = response.text.rstrip("\n").rsplit("\n\n", 1)[-1]
             assert last.startswith(("event: message_stop", "event: error")), f"{what}: unterminated {last[-300:]}"
+        elif case.operation.label == "POST /v1/responses":  # Responses streams end without [DONE]
+            assert last.startswith(("event: response.completed", "event: response.incomplete",
+                                    "event: response.failed")), f"{what}: unterminated {last[-300:]}"
         else:
             assert response.text.endswith("data: [DONE]\n\n"), f"{what}: unterminated stream {response.text[-300:]}"
     elif case.operation.label != "GET /metrics":
@@ -175,7 +182,8 @@ def fuzz(url: str, schema, label: str, examples: int) -> Counter:
                 if "model" in (case.path_parameters or {}):
                     case.path_parameters = {"model": served}
             if label in GENERATING:
-                case.body = keep_small(case.body)
+                case.body = keep_small(case.body, ("max_output_tokens",) if label == "POST /v1/responses"
+                                       else ("max_tokens", "max_completion_tokens"))
             t0 = time.monotonic()
             try:
                 response = case.call(base_url=url, session=session, timeout=TIMEOUT_S)
