@@ -19,6 +19,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from engine.loop.async_engine import AsyncEngine, EngineDeadError
 from server.context import ServerContext
+from server.anthropic_errors import error_response as anthropic_error_response, is_anthropic_path
 from server.errors import install_error_handlers
 from server.generation_defaults import load_generation_defaults
 from server.input_processor import InputProcessor
@@ -66,7 +67,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
 
     app = FastAPI(title="paged-serve", version=_version(), lifespan=lifespan)
     app.state.ctx = ctx
-    install_error_handlers(app)
+    install_error_handlers(app, shapes=((is_anthropic_path, anthropic_error_response),))
     for module in (completions, chat, responses, messages, models, tokenize, ops):
         app.include_router(module.router)
 

@@ -138,7 +138,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"Invalid value for '{param}': {msg}{more}." if param else f"{msg}{more}."), param
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, shapes: tuple = ()) -> None:
+    """The app-wide handlers: every error as an OpenAI error body. `shapes`: (path predicate,
+    responder) pairs for routes that answer in another API's shape (Anthropic's /v1/messages):
+    an unknown path or method under them (404, 405) is answered by their responder."""
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> Response:
         return exc.response()
@@ -148,7 +151,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         try:
             phrase = HTTPStatus(exc.status_code).phrase
         except ValueError:
@@ -156,7 +159,11 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404 and message == phrase:
             message = "Not found: no such route."
-        return OpenAIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+        error = OpenAIError(exc.status_code, message, headers=getattr(exc, "headers", None))
+        for matches, respond in shapes:
+            if matches(request.url.path):
+                return respond(error)
+        return error.response()
 
     for engine_error in (EngineDeadError, EngineNotReadyError, QueueFullError, RequestFailedError,
                          RequestCancelledError):

@@ -13,6 +13,7 @@ import json
 import httpx
 import pydantic
 import pytest
+import requests
 from fastapi.testclient import TestClient
 
 from server.anthropic_api import MessageEvents, message_blocks, stop_reason, to_chat_request
@@ -381,3 +382,14 @@ def test_x_api_key_is_accepted_beside_bearer(guarded_app):
     # on /v1/messages the 401 is Anthropic's shape
     assert anthropic_error(guarded_app.post("/v1/messages", json={}, headers={"x-api-key": "nope"}),
                            401) == "authentication_error"
+
+
+def test_an_unknown_method_or_path_under_messages_is_anthropic_shaped(real_server):
+    for method, path, status in (("GET", "/v1/messages", 405), ("POST", "/v1/messages/nope", 404)):
+        r = requests.request(method, real_server.url + path, timeout=30)
+        assert r.status_code == status, (method, path, r.text)
+        body = r.json()
+        assert body["type"] == "error" and body["error"]["type"] in ("not_found_error", "invalid_request_error")
+        assert set(body["error"]) == {"type", "message"}
+    r = requests.get(real_server.url + "/v1/nope", timeout=30)
+    assert r.status_code == 404 and set(r.json()["error"]) >= {"message", "type", "param", "code"}
