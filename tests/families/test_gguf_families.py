@@ -1,6 +1,7 @@
 """GGUF files of the families beyond Llama load too: a tiny random model of the family written as
 a GGUF the way convert_hf_to_gguf.py writes it (tests/engine/tiny_gguf.py): in F32 it equals HF
-token for token; in Q8_0 its linear layers stay quantized and its logits follow HF's."""
+token for token; in Q8_0 its linear layers (a mixture of experts' experts included, one
+QuantLinear per expert) stay quantized and its logits follow HF's."""
 
 from __future__ import annotations
 
@@ -16,10 +17,23 @@ from tests.engine.test_hf_equality import assert_matches
 from tests.engine.tiny_gguf import write_gguf
 from tests.families.tiny_models import build
 
-# family -> GGUF architecture name (convert_hf_to_gguf.py's)
-GGUF_FAMILIES = {"qwen3": "qwen3", "smollm3": "smollm3"}
-# what a family's GGUF can hold: SmolLM3's NoPE layers are llama.cpp's fixed every 4th
-OVERRIDES = {"smollm3": {"no_rope_layer_interval": 4, "num_hidden_layers": 4, "initializer_range": 0.1}}
+# family (tests/families/tiny_models.py) -> GGUF architecture name (convert_hf_to_gguf.py's;
+# Mixtral is written as "llama" with experts)
+GGUF_FAMILIES = {"qwen3": "qwen3", "smollm3": "smollm3", "gemma3": "gemma3", "phi3": "phi3", "phi4mini": "phi3",
+                 "qwen3moe": "qwen3moe", "mixtral": "llama", "gemma2": "gemma2", "olmo2": "olmo2",
+                 "granite": "granite"}
+# what a family's GGUF can hold (the rest as llama.cpp fixes it, a GGUF having no field for it):
+# SmolLM3's NoPE layers every 4th; Gemma 3's full-attention layers every 6th; Qwen3-MoE's layers
+# all sparse (llama.cpp's qwen3moe has no dense ones), experts of a width Q8_0's 32-value blocks fit
+OVERRIDES = {"smollm3": {"no_rope_layer_interval": 4, "num_hidden_layers": 4, "initializer_range": 0.1},
+             "gemma3": {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+             "qwen3moe": {"mlp_only_layers": [], "moe_intermediate_size": 64}}
+# NOTE: Q8_0's rounding of weights and activations moves the tiny Gemmas' logprobs by more than
+# the others': 0.13 for Gemma 2's weights drawn at 0.1 (0.05 at 0.05), and HF's own six-layer
+# Gemma 3 by 0.66 with its weights rounded to Q8_0 (three layers: 0.06). Their Q8_0 tests take
+# models that rounding moves less; the F32 tests check the layer patterns
+Q8_OVERRIDES = {"gemma2": {"initializer_range": 0.05},
+                "gemma3": {"num_hidden_layers": 3, "layer_types": ["sliding_attention"] * 3}}
 PROMPT = [5, 17, 33, 2, 250, 77, 8, 100, 9, 1, 42, 300, 11, 12, 13, 14, 15]
 
 
@@ -41,12 +55,16 @@ def test_a_gguf_of_the_family_equals_hf(tmp_path, tokenizer, family):
 
 @pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
 def test_a_q8_0_gguf_of_the_family_stays_quantized(tmp_path, tokenizer, family):
-    hf = build(family, **OVERRIDES.get(family, {}))
+    hf = build(family, **(OVERRIDES.get(family, {}) | Q8_OVERRIDES.get(family, {})))
     path = write_gguf(tmp_path / f"{family}-q8.gguf", hf, GGUF_FAMILIES[family], types={"weight": "Q8_0"})
     llm = LLM(model=str(path), tokenizer=tokenizer, dtype="float32", max_model_len=128, kv_cache_memory="4MiB",
               max_num_seqs=4, max_num_batched_tokens=16)
     layer = llm.engine.executor.runner.model.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.down_proj, QuantLinear)
+    mlps = getattr(layer.mlp, "experts", [layer.mlp])
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.self_attn.o_proj, QuantLinear)
+    assert all(isinstance(m.gate_up_proj, QuantLinear) and isinstance(m.down_proj, QuantLinear) for m in mlps)
+    if hasattr(layer.mlp, "experts"):  # one QuantLinear per expert; the router stays dense
+        assert len(mlps) == 4 and not isinstance(layer.mlp.gate, QuantLinear)
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1, logprobs=20))[0]
     with torch.no_grad():
         want = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0, -1], -1)
@@ -55,3 +73,19 @@ def test_a_q8_0_gguf_of_the_family_stays_quantized(tmp_path, tokenizer, family):
     # logprobs by 0.03-0.06 (HF with the Q8_0-rounded weights moves them 0.03-0.06 too); another
     # model or a layer wrong moves them by whole units
     assert len(diffs) >= 20 and max(diffs) < 0.1, max(diffs)
+
+
+def test_a_phi3_longrope_gguf_equals_hf_within_its_short_range(tmp_path, tokenizer):
+    """Phi-3 128k's longrope as convert_hf_to_gguf.py writes it (rope_factors_long / _short
+    tensors, original context length and attention factor keys) is HF's longrope again: served
+    within its short range, as an HF checkpoint's is (registry.check_config)."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0 + 0.3 * i for i in range(8)], "long_factor": [4.0 + i for i in range(8)]}
+    hf = build("phi3", max_position_embeddings=256, original_max_position_embeddings=64, rope_parameters=rope)
+    path = write_gguf(tmp_path / "phi3-longrope.gguf", hf, "phi3")
+    llm = LLM(model=str(path), tokenizer=tokenizer, dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4,
+              max_num_batched_tokens=16)
+    assert llm.engine.config.model.max_model_len == 64
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    ref, top = hf_greedy(hf, PROMPT, 12)
+    assert_matches(out.outputs[0].token_ids, ref, top, "phi3 longrope")
