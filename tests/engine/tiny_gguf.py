@@ -47,8 +47,10 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(model, arch: str = "llama") -> dict[str, np.ndarray]:
-    """GGUF name -> float32 array, as convert_hf_to_gguf.py would hand them to the writer."""
+def gguf_tensors(model, arch: str = "llama", split_experts: bool = False) -> dict[str, np.ndarray]:
+    """GGUF name -> float32 array, as convert_hf_to_gguf.py would hand them to the writer (with
+    `split_experts`, each expert's as 2-D tensors `blk.N.ffn_gate.E.weight`, as Mixtral GGUFs of
+    llama.cpp's older convert.py hold them)."""
     c = model.config
     names = gguf.get_tensor_name_map(_model_arch(arch), c.num_hidden_layers)
     out = {}
@@ -58,10 +60,12 @@ def gguf_tensors(model, arch: str = "llama") -> dict[str, np.ndarray]:
             continue
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, rows, K], gate and up fused
             b = name.split(".")[2]
-            if name.endswith("gate_up_proj"):
-                out[f"blk.{b}.ffn_gate_exps.weight"], out[f"blk.{b}.ffn_up_exps.weight"] = np.split(a, 2, axis=1)
-            else:
-                out[f"blk.{b}.ffn_down_exps.weight"] = a
+            parts = dict(zip(("gate", "up"), np.split(a, 2, axis=1))) if name.endswith("gate_up_proj") else {"down": a}
+            for kind, t in parts.items():
+                if split_experts:
+                    out |= {f"blk.{b}.ffn_{kind}.{e}.weight": t[e] for e in range(t.shape[0])}
+                else:
+                    out[f"blk.{b}.ffn_{kind}_exps.weight"] = t
             continue
         base, kind = name.rsplit(".", 1)
         gname = f"{names.get_name(base)}.{kind}"
@@ -125,11 +129,12 @@ def _rotary_dims(c) -> int:
 
 
 def write_gguf(path: Path, model, arch: str = "llama", types: dict[str, str] | None = None,
-               drop: tuple[str, ...] = (), wrong_bytes: str | None = None, gguf_arch: str | None = None) -> Path:
+               drop: tuple[str, ...] = (), wrong_bytes: str | None = None, gguf_arch: str | None = None,
+               split_experts: bool = False) -> Path:
     """Write `model` as a GGUF of architecture `arch`. `types`: tensor-name fragment -> GGML type
     name for 2-D and 3-D tensors (first match wins; default F32); 1-D tensors and MoE routers are
     F32. `drop`: tensors left out. `wrong_bytes`: a tensor written as F16 bytes while its header
-    says F32 (its byte size disagrees). Llama 3's rope scaling is written as convert_hf_to_gguf.py
+    says F32 (its byte size disagrees). `split_experts`: see gguf_tensors. Llama 3's rope scaling is written as convert_hf_to_gguf.py
     writes it: a rope_freqs.weight tensor."""
     c = model.config
     rope = c.rope_parameters
@@ -150,7 +155,7 @@ def write_gguf(path: Path, model, arch: str = "llama", types: dict[str, str] | N
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
     _family_metadata(w, c, arch)
-    for name, a in gguf_tensors(model, arch).items():
+    for name, a in gguf_tensors(model, arch, split_experts).items():
         if name in drop:
             continue
         if name == wrong_bytes:

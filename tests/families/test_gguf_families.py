@@ -37,6 +37,19 @@ Q8_OVERRIDES = {"gemma2": {"initializer_range": 0.05},
 PROMPT = [5, 17, 33, 2, 250, 77, 8, 100, 9, 1, 42, 300, 11, 12, 13, 14, 15]
 
 
+def assert_logprobs_follow_hf(llm: LLM, hf) -> None:
+    """The top-20 logprobs of PROMPT's next token within 0.1 of HF's.
+
+    NOTE: Q8_0's rounding of weights and activations moves these tiny random models' top
+    logprobs by 0.01-0.08 (HF with the Q8_0-rounded weights moves them 0.01-0.2 too); another
+    model or a layer wrong moves them by whole units."""
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1, logprobs=20))[0]
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0, -1], -1)
+    diffs = [abs(lp.logprob - want[tid].item()) for tid, lp in out.outputs[0].logprobs[0].items()]
+    assert len(diffs) >= 20 and max(diffs) < 0.1, max(diffs)
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return str(gguf_tokenizer_dir(default_gguf_path()))
@@ -65,14 +78,7 @@ def test_a_q8_0_gguf_of_the_family_stays_quantized(tmp_path, tokenizer, family):
     assert all(isinstance(m.gate_up_proj, QuantLinear) and isinstance(m.down_proj, QuantLinear) for m in mlps)
     if hasattr(layer.mlp, "experts"):  # one QuantLinear per expert; the router stays dense
         assert len(mlps) == 4 and not isinstance(layer.mlp.gate, QuantLinear)
-    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1, logprobs=20))[0]
-    with torch.no_grad():
-        want = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0, -1], -1)
-    diffs = [abs(lp.logprob - want[tid].item()) for tid, lp in out.outputs[0].logprobs[0].items()]
-    # NOTE: Q8_0's rounding of weights and activations moves these tiny random models' top
-    # logprobs by 0.03-0.06 (HF with the Q8_0-rounded weights moves them 0.03-0.06 too); another
-    # model or a layer wrong moves them by whole units
-    assert len(diffs) >= 20 and max(diffs) < 0.1, max(diffs)
+    assert_logprobs_follow_hf(llm, hf)
 
 
 def test_a_phi3_longrope_gguf_equals_hf_within_its_short_range(tmp_path, tokenizer):
@@ -89,3 +95,15 @@ def test_a_phi3_longrope_gguf_equals_hf_within_its_short_range(tmp_path, tokeniz
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
     ref, top = hf_greedy(hf, PROMPT, 12)
     assert_matches(out.outputs[0].token_ids, ref, top, "phi3 longrope")
+
+
+def test_a_mixtral_gguf_with_experts_per_tensor_stays_quantized(tmp_path, tokenizer):
+    """Mixtral GGUFs of llama.cpp's older convert.py hold each expert's weights as 2-D tensors
+    (blk.N.ffn_gate.E.weight ...), which llama.cpp still loads: so do we, each expert quantized."""
+    hf = build("mixtral")
+    path = write_gguf(tmp_path / "mixtral-split.gguf", hf, "llama", types={"weight": "Q8_0"}, split_experts=True)
+    llm = LLM(model=str(path), tokenizer=tokenizer, dtype="float32", max_model_len=128, kv_cache_memory="4MiB",
+              max_num_seqs=4, max_num_batched_tokens=16)
+    moe = llm.engine.executor.runner.model.model.layers[0].mlp
+    assert all(isinstance(m.gate_up_proj, QuantLinear) and isinstance(m.down_proj, QuantLinear) for m in moe.experts)
+    assert_logprobs_follow_hf(llm, hf)

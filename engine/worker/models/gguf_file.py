@@ -24,7 +24,13 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from engine.worker.models.gguf_layout import ARCHITECTURES, CONFIG_CLASSES, family_fields, tensor_shapes
+from engine.worker.models.gguf_layout import (
+    ARCHITECTURES,
+    CONFIG_CLASSES,
+    family_fields,
+    split_experts,
+    tensor_shapes,
+)
 
 _SHORT_ARRAY = 256  # metadata arrays longer than this are read in one piece (or stepped over)
 
@@ -271,7 +277,7 @@ class GGUFFile:
         return params if attn is None else params | {"attention_factor": float(attn)}
 
     def _check_tensors(self, config) -> None:
-        want = tensor_shapes(config, self.arch)
+        want = tensor_shapes(config, self.arch, split_experts(self.tensors))
         for name, shape in want.items():
             info = self.tensors.get(name)
             if info is None:

@@ -15,7 +15,9 @@ src/llama-model.cpp for what the file leaves out):
   `rope.dimension_count`, longrope as two factor tensors;
 - olmo2: no input norms, norms after each sublayer, q/k norms over the whole projection;
 - qwen3moe and Mixtral: the router `ffn_gate_inp` and each layer's experts as three 3-D tensors
-  `ffn_{gate,up,down}_exps` [experts, rows, K], one 2-D slice per expert.
+  `ffn_{gate,up,down}_exps` [experts, rows, K], one 2-D slice per expert; Mixtral GGUFs of the
+  older convert.py (before 2024-04) hold each expert's as 2-D tensors `ffn_gate.E` ..., which
+  llama.cpp still loads (`split_experts`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ class TensorGroup:
     biases: tuple[str, ...] = ()  # the segments' biases, if the layer has one
     expert: int | None = None  # the tensors are 3-D [experts, rows, K]: this expert's slice
     dense_only: bool = False  # never kept quantized (a MoE router: a rounded one picks other experts)
+
+
+def split_experts(tensor_names) -> bool:
+    """Whether a GGUF holds its experts as 2-D tensors per expert (`blk.N.ffn_gate.E.weight`)."""
+    return "blk.0.ffn_gate.0.weight" in tensor_names
 
 
 def is_moe(config) -> bool:
@@ -162,8 +169,9 @@ def norm_tensors(config, arch: str) -> dict[str, str]:
     return names
 
 
-def linear_groups(config, arch: str) -> list[TensorGroup]:
-    """The decoder's linear layers (and MoE routers), in file order."""
+def linear_groups(config, arch: str, split: bool = False) -> list[TensorGroup]:
+    """The decoder's linear layers (and MoE routers), in file order; `split`: experts as 2-D
+    tensors per expert (`split_experts`)."""
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     perm = arch in PERMUTED_QK
     biased = config.attention_bias or config.model_type == "qwen2"
@@ -183,9 +191,9 @@ def linear_groups(config, arch: str) -> list[TensorGroup]:
             groups.append(TensorGroup(m + "mlp.gate", (b + "ffn_gate_inp.weight",), (None,), dense_only=True))
             for e in range(num_experts(config)):
                 x = f"{m}mlp.experts.{e}."
-                groups += [TensorGroup(x + "gate_up_proj", (b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight"),
-                                       (None, None), expert=e),
-                           TensorGroup(x + "down_proj", (b + "ffn_down_exps.weight",), (None,), expert=e)]
+                names = _expert_tensors(b, e, split)
+                groups += [TensorGroup(x + "gate_up_proj", names[:2], (None, None), expert=None if split else e),
+                           TensorGroup(x + "down_proj", names[2:], (None,), expert=None if split else e)]
             continue
         gate_up = (b + "ffn_up.weight",) if arch == "phi3" else (b + "ffn_gate.weight", b + "ffn_up.weight")
         groups += [TensorGroup(m + "mlp.gate_up_proj", gate_up, (None,) * len(gate_up)),
@@ -193,7 +201,14 @@ def linear_groups(config, arch: str) -> list[TensorGroup]:
     return groups
 
 
-def tensor_shapes(config, arch: str) -> dict[str, tuple[int, ...]]:
+def _expert_tensors(b: str, e: int, split: bool) -> tuple[str, str, str]:
+    """Expert e's gate, up and down tensors in layer prefix `b` ("blk.N.")."""
+    if split:
+        return b + f"ffn_gate.{e}.weight", b + f"ffn_up.{e}.weight", b + f"ffn_down.{e}.weight"
+    return b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight", b + "ffn_down_exps.weight"
+
+
+def tensor_shapes(config, arch: str, split: bool = False) -> dict[str, tuple[int, ...]]:
     """Every tensor the model reads -> its shape (PyTorch order), as the config implies."""
     hidden, hd = config.hidden_size, config.head_dim
     q, kv, inter = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
@@ -216,8 +231,11 @@ def tensor_shapes(config, arch: str) -> dict[str, tuple[int, ...]]:
         if is_moe(config):
             n = num_experts(config)
             e_inter = config.moe_intermediate_size if config.model_type == "qwen3_moe" else inter
-            want |= {b + "ffn_gate_inp.weight": (n, hidden), b + "ffn_gate_exps.weight": (n, e_inter, hidden),
-                     b + "ffn_up_exps.weight": (n, e_inter, hidden), b + "ffn_down_exps.weight": (n, hidden, e_inter)}
+            want[b + "ffn_gate_inp.weight"] = (n, hidden)
+            for e in range(n if split else 1):
+                gate, up, down = _expert_tensors(b, e, split)
+                lead = () if split else (n,)
+                want |= {gate: lead + (e_inter, hidden), up: lead + (e_inter, hidden), down: lead + (hidden, e_inter)}
         elif arch != "phi3":
             want |= {b + "ffn_gate.weight": (inter, hidden), b + "ffn_up.weight": (inter, hidden)}
         if not is_moe(config):

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from engine.worker.models.gguf_file import GGUFFile
-from engine.worker.models.gguf_layout import TensorGroup, linear_groups, norm_tensors
+from engine.worker.models.gguf_layout import TensorGroup, linear_groups, norm_tensors, split_experts
 from engine.worker.models.layers import RotaryEmbedding
 from engine.worker.models.registry import model_class
 from engine.worker.models.quant_linear import QUANTIZE_TYPES, QuantEmbedding, QuantLinear, QuantLMHead
@@ -81,7 +81,7 @@ def _build(f: GGUFFile, mc, device: torch.device) -> nn.Module:
     model = _skeleton(hf, mc.max_model_len, device)
     kept, dense, fallbacks = Counter(), Counter(), Counter()
     dense_groups = []
-    for g in linear_groups(hf, f.arch):
+    for g in linear_groups(hf, f.arch, split_experts(f.tensors)):
         types = [f.tensors[n].qtype for n in g.tensors]
         meta = model.get_submodule(g.module)
         if g.dense_only:
