@@ -5,6 +5,7 @@ QuantLinear per expert) stay quantized and its logits follow HF's."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 
@@ -107,3 +108,23 @@ def test_a_mixtral_gguf_with_experts_per_tensor_stays_quantized(tmp_path, tokeni
     moe = llm.engine.executor.runner.model.model.layers[0].mlp
     assert all(isinstance(m.gate_up_proj, QuantLinear) and isinstance(m.down_proj, QuantLinear) for m in moe.experts)
     assert_logprobs_follow_hf(llm, hf)
+
+
+def test_quantization_none_dequantizes_a_family_transformers_reads_wrong(tmp_path, tokenizer):
+    """--quantization none serves a Q8_0 Mixtral GGUF (which transformers' GGUF loader would read
+    as a Llama without experts) from the file itself, every layer dense: HF with the same
+    Q8_0-rounded weights (the router F32, as written), token for token."""
+    hf = build("mixtral")
+    path = write_gguf(tmp_path / "mixtral-none.gguf", hf, "llama", types={"weight": "Q8_0"})
+    llm = LLM(model=str(path), tokenizer=tokenizer, dtype="float32", max_model_len=128, kv_cache_memory="4MiB",
+              max_num_seqs=4, max_num_batched_tokens=16, quantization="none")
+    assert llm.engine.config.model.path == str(path.resolve())
+    assert not any(isinstance(m, QuantLinear) for m in llm.engine.executor.runner.model.modules())
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() >= 2 and not name.endswith("mlp.gate.weight"):
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q8), q8)))
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    ref, top = hf_greedy(hf, PROMPT, 12)
+    assert_matches(out.outputs[0].token_ids, ref, top, "mixtral Q8_0, --quantization none")

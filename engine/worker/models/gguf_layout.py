@@ -53,6 +53,15 @@ GEMMA3_LOCAL_ROPE_THETA = 10000.0
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
+def transformers_dequantizes(f) -> bool:
+    """Whether transformers' GGUF loader builds `f`'s model right (loader.convert_gguf, for
+    --quantization none): Llama, Qwen2 and Qwen3 only. NOTE: it reads a Mixtral GGUF (arch llama)
+    as a Llama without its experts, Qwen3-MoE's without its expert width, Gemma's without
+    query_pre_attn_scalar and the soft-caps, and has no SmolLM3, OLMo 2 or Granite; those are
+    dequantized by gguf_weights.py at each start instead."""
+    return f.arch in ("llama", "qwen2", "qwen3") and not f.value(f"{f.arch}.expert_count")
+
+
 @dataclass(frozen=True)
 class TensorGroup:
     """One module's weight as GGUF tensors: its row segments in order, and the heads whose rows
