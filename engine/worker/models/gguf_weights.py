@@ -31,6 +31,7 @@ import logging
 import time
 import warnings
 from collections import Counter
+
 import numpy as np
 import torch
 from torch import nn
