@@ -286,7 +286,7 @@ def test_bad_gguf_files_stop_with_one_line_naming_file_tensor_and_reason(tmp_pat
                       r"375744 bytes into it \(truncated file\?\)"),
         "bytes": (dict(wrong_bytes="token_embd.weight"), r"tensor token_embd\.weight: F32 \[320, 256\] needs 327680 "
                                                          r"bytes .* its byte size disagrees with its type and shape"),
-        "arch": (dict(gguf_arch="phi3"), r"architecture 'phi3' is not supported; supported: llama, qwen2"),
+        "arch": (dict(gguf_arch="gpt2"), r"architecture 'gpt2' is not supported; supported: llama, qwen2, qwen3"),
         "missing": (dict(drop=("blk.1.ffn_down.weight",)), r"tensor blk\.1\.ffn_down\.weight: missing"),
     }
     for name, (kwargs, message) in cases.items():

@@ -24,17 +24,14 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-# GGUF architecture -> our model class name (engine/worker/models/llama.py)
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "smollm3": "SmolLM3ForCausalLM"}
-# Architectures with an RMSNorm over each head of the queries and keys (blk.N.attn_q_norm / attn_k_norm)
-QK_NORM = ("qwen3",)
-# Architectures whose Q/K rows llama.cpp's convert_hf_to_gguf.py permuted (its `permute`), so
-# that its rotary pairs adjacent values; ours (HF's rotate_half) pairs the two halves of a head.
-PERMUTED_QK = ("llama", "smollm3")
-# SmolLM3's layers without rotary: every 4th, counting from 1 (llama.cpp's fixed n_no_rope_layer_step;
-# a GGUF has no field for it)
-SMOLLM3_NO_ROPE_STEP = 4
+from engine.worker.models.gguf_layout import (
+    ARCHITECTURES,
+    CONFIG_CLASSES,
+    family_fields,
+    split_experts,
+    tensor_shapes,
+)
+
 _SHORT_ARRAY = 256  # metadata arrays longer than this are read in one piece (or stepped over)
 
 
@@ -139,9 +136,7 @@ class GGUFConfig(SimpleNamespace):
         import transformers
 
         kwargs = self.to_dict()
-        cls = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "smollm3": "SmolLM3Config"}.get(
-            kwargs.pop("model_type"), "LlamaConfig")
-        return getattr(transformers, cls)(**kwargs)
+        return getattr(transformers, CONFIG_CLASSES[kwargs.pop("model_type")])(**kwargs)
 
 
 class GGUFFile:
@@ -215,7 +210,7 @@ class GGUFFile:
             kv_heads = kv_heads[0]
         head_dim = int(self.value(f"{a}.attention.key_length", hidden // heads))
         rotary_dim = int(self.value(f"{a}.rope.dimension_count", head_dim))
-        if rotary_dim != head_dim:
+        if rotary_dim != head_dim and a != "phi3":
             raise GGUFError(self.path, f"partial rotary ({rotary_dim} of {head_dim} head dimensions) is not supported")
         embed = self.tensors.get("token_embd.weight")
         vocab = embed.shape[0] if embed is not None else int(self.need(f"{a}.vocab_size"))
@@ -225,7 +220,7 @@ class GGUFFile:
             num_key_value_heads=int(kv_heads), head_dim=head_dim, hidden_act="silu",
             max_position_embeddings=int(self.value(f"{a}.context_length", 2048)),
             rms_norm_eps=float(self.value(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_parameters=self._rope_parameters(head_dim),
+            rope_parameters=self._rope_parameters(rotary_dim),
             tie_word_embeddings="output.weight" not in self.tensors,
             # NOTE: HF's meaning: biases on q/k/v and o (Llama's); Qwen2's q/k/v biases go without
             # it (its class has them always, and no o_proj bias)
@@ -235,26 +230,26 @@ class GGUFFile:
             pad_token_id=self.value("tokenizer.ggml.padding_token_id"),
             architectures=[ARCHITECTURES[a]],
         )
-        if a == "smollm3":
-            layers, step = kwargs["num_hidden_layers"], SMOLLM3_NO_ROPE_STEP
-            kwargs |= dict(no_rope_layers=[int((i + 1) % step != 0) for i in range(layers)],
-                           no_rope_layer_interval=step, use_sliding_window=False, sliding_window=None)
-        config = GGUFConfig(model_type=a if a in ("qwen2", "qwen3", "smollm3") else "llama", **kwargs)
+        if rotary_dim != head_dim:
+            kwargs["partial_rotary_factor"] = rotary_dim / head_dim
+        config = GGUFConfig(**(kwargs | family_fields(self, kwargs)))
         self._check_tensors(config)
         return config
 
-    def _rope_parameters(self, head_dim: int) -> dict:
+    def _rope_parameters(self, rotary_dim: int) -> dict:
         a = self.arch
         theta = float(self.value(f"{a}.rope.freq_base", 10000.0))
         params = {"rope_type": "default", "rope_theta": theta}
         kind = self.value(f"{a}.rope.scaling.type")
         factor = self.value(f"{a}.rope.scaling.factor")
         if "rope_freqs.weight" in self.tensors:
-            found = _llama3_rope(self.dense("rope_freqs.weight"), theta, head_dim)
+            found = _llama3_rope(self.dense("rope_freqs.weight"), theta, rotary_dim)
             if found is None:
                 raise GGUFError(self.path, "frequency factors other than Llama 3's rope scaling are not supported",
                                 "rope_freqs.weight")
             return params | found
+        if "rope_factors_long.weight" in self.tensors:
+            return params | self._longrope(rotary_dim)
         if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
             return params
         if kind == "linear":
@@ -264,25 +259,25 @@ class GGUFFile:
             return params | {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(orig)}
         raise GGUFError(self.path, f"rope scaling {kind!r} is not supported")
 
+    def _longrope(self, rotary_dim: int) -> dict:
+        """HF's longrope parameters from Phi-3's rope_factors_long / _short tensors and the
+        attention factor convert_hf_to_gguf.py wrote beside them."""
+        a, factors = self.arch, {}
+        for kind in ("long", "short"):
+            name = f"rope_factors_{kind}.weight"
+            if name not in self.tensors:
+                raise GGUFError(self.path, "missing (longrope needs both factor tensors)", name)
+            t = self.dense(name).reshape(-1)
+            if t.numel() != rotary_dim // 2:
+                raise GGUFError(self.path, f"{t.numel()} factors for a rotary dimension of {rotary_dim}", name)
+            factors[f"{kind}_factor"] = t.tolist()
+        orig = int(self.need(f"{a}.rope.scaling.original_context_length"))
+        params = {"rope_type": "longrope", "original_max_position_embeddings": orig} | factors
+        attn = self.value(f"{a}.rope.scaling.attn_factor")
+        return params if attn is None else params | {"attention_factor": float(attn)}
+
     def _check_tensors(self, config) -> None:
-        hidden, hd = config.hidden_size, config.head_dim
-        q, kv, inter = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
-        want = {"token_embd.weight": (config.vocab_size, hidden), "output_norm.weight": (hidden,)}
-        if not config.tie_word_embeddings:
-            want["output.weight"] = (config.vocab_size, hidden)
-        for i in range(config.num_hidden_layers):
-            b = f"blk.{i}."
-            want |= {b + "attn_norm.weight": (hidden,), b + "ffn_norm.weight": (hidden,),
-                     b + "attn_q.weight": (q, hidden), b + "attn_k.weight": (kv, hidden),
-                     b + "attn_v.weight": (kv, hidden), b + "attn_output.weight": (hidden, q),
-                     b + "ffn_gate.weight": (inter, hidden), b + "ffn_up.weight": (inter, hidden),
-                     b + "ffn_down.weight": (hidden, inter)}
-            if config.attention_bias or config.model_type == "qwen2":
-                want |= {b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)}
-            if config.attention_bias:
-                want[b + "attn_output.bias"] = (hidden,)
-            if self.arch in QK_NORM:
-                want |= {b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)}
+        want = tensor_shapes(config, self.arch, split_experts(self.tensors))
         for name, shape in want.items():
             info = self.tensors.get(name)
             if info is None:
@@ -293,22 +288,35 @@ class GGUFFile:
 
     # ------------------------------------------------------------------ tensors
 
-    def raw(self, name: str) -> np.ndarray:
-        """A quantized tensor's bytes as stored, uint8 [rows, row_bytes] (a view of the file)."""
+    def _stored(self, name: str, expert: int | None) -> np.ndarray:
+        """The tensor's array as gguf maps it; with `expert`, that expert's 2-D slice of a 3-D
+        tensor [experts, rows, K] (its last dimension: values, or a quantized row's bytes)."""
         data = self._data[name]
-        return data.reshape(self.tensors[name].shape[0], -1) if data.dtype == np.uint8 else data.view(np.uint8)
+        if expert is None:
+            return data
+        shape = self.tensors[name].shape
+        return data.reshape(shape[0], shape[1], -1)[expert]
 
-    def dense(self, name: str) -> torch.Tensor:
-        """A tensor dequantized to float32 (a copy), in its PyTorch shape."""
+    def raw(self, name: str, expert: int | None = None) -> np.ndarray:
+        """A tensor's bytes as stored, uint8 [rows, row_bytes] (a view of the file); with
+        `expert`, that expert's rows of a 3-D tensor."""
+        data = self._stored(name, expert)
+        rows = self.tensors[name].shape[0 if expert is None else 1]
+        return data.reshape(rows, -1) if data.dtype == np.uint8 else data.view(np.uint8).reshape(rows, -1)
+
+    def dense(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """A tensor dequantized to float32 (a copy), in its PyTorch shape (with `expert`: that
+        expert's 2-D slice of a 3-D tensor)."""
         import gguf
 
         info = self.tensors[name]
         try:
-            values = gguf.quants.dequantize(self._data[name], gguf.GGMLQuantizationType[info.qtype.upper()])
+            values = gguf.quants.dequantize(self._stored(name, expert), gguf.GGMLQuantizationType[info.qtype.upper()])
         except NotImplementedError:
             raise GGUFError(self.path, f"type {info.qtype.upper()} cannot be dequantized by gguf-py "
                                        f"{_version('gguf')}", name) from None
-        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(info.shape)
+        shape = info.shape if expert is None else info.shape[1:]
+        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
 
     def release(self, name: str) -> None:
         """Drop a tensor's pages from this process's memory (they stay in the page cache), once

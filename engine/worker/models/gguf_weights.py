@@ -1,4 +1,5 @@
-"""A Llama-family model built straight from a GGUF file, its weights kept as stored.
+"""A model of any served family built straight from a GGUF file, its weights kept as stored
+(which tensor fills which layer: engine/worker/models/gguf_layout.py).
 
 The model is built on the ``meta`` device (no memory), then each linear layer whose GGUF tensors
 are all of a type the quantized kernels take (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) becomes a
@@ -17,6 +18,11 @@ NOTE: llama.cpp's converter permutes the rows of a Llama Q and K weight (and bia
 rotary pairs adjacent values within a head; ours, HF's rotate_half, pairs the head's two halves.
 Undoing it is a row permutation, and a quantized row is whole blocks, so the rows' bytes are
 shuffled as stored: the dequantized weights equal transformers' (which un-permutes the same way).
+
+A mixture of experts' expert tensors are 3-D ([experts, rows, K]); each expert's slice becomes
+that expert's own QuantLinear (gate/up merged, down), so moe.SparseMoE runs each expert's
+quantized product on the rows routed to it. The router (`ffn_gate_inp`, F32 as the converter
+writes it) is always dense.
 """
 
 from __future__ import annotations
@@ -25,13 +31,13 @@ import logging
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from engine.worker.models.gguf_file import PERMUTED_QK, QK_NORM, GGUFFile
+from engine.worker.models.gguf_file import GGUFFile
+from engine.worker.models.gguf_layout import TensorGroup, linear_groups, norm_tensors, split_experts
 from engine.worker.models.layers import RotaryEmbedding
 from engine.worker.models.registry import model_class
 from engine.worker.models.quant_linear import QUANTIZE_TYPES, QuantEmbedding, QuantLinear, QuantLMHead
@@ -41,53 +47,10 @@ from engine.worker.models.quantize import log_fallbacks, quantize_to
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class TensorGroup:
-    """One module's weight as GGUF tensors: its row segments in order, and the heads whose rows
-    llama.cpp permuted per segment (None: not permuted)."""
-
-    module: str  # dotted path in the model, e.g. "model.layers.3.self_attn.qkv_proj"
-    tensors: tuple[str, ...]
-    permuted_heads: tuple[int | None, ...]
-    biases: tuple[str, ...] = ()  # the segments' biases, if the layer has one
-
-
 def unpermute_rows(rows: int, heads: int) -> np.ndarray:
     """The row order that undoes convert_hf_to_gguf.py's `permute` of a Q or K weight of `heads`
     heads: row (h, j, i) of the result is row (h, i, j) of the file's, i < head_dim / 2, j < 2."""
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)
-
-
-def linear_groups(config, arch: str) -> list[TensorGroup]:
-    """The decoder's linear layers, in file order."""
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
-    perm = arch in PERMUTED_QK
-    biased = config.attention_bias or config.model_type == "qwen2"
-    groups = []
-    for i in range(config.num_hidden_layers):
-        b, m = f"blk.{i}.", f"model.layers.{i}."
-        qkv = tuple(b + f"attn_{x}.weight" for x in "qkv")
-        groups += [
-            TensorGroup(m + "self_attn.qkv_proj", qkv, (heads if perm else None, kv if perm else None, None),
-                        tuple(n.replace(".weight", ".bias") for n in qkv) if biased else ()),
-            TensorGroup(m + "self_attn.o_proj", (b + "attn_output.weight",), (None,),
-                        (b + "attn_output.bias",) if config.attention_bias else ()),
-            TensorGroup(m + "mlp.gate_up_proj", (b + "ffn_gate.weight", b + "ffn_up.weight"), (None, None)),
-            TensorGroup(m + "mlp.down_proj", (b + "ffn_down.weight",), (None,)),
-        ]
-    return groups
-
-
-def norm_tensors(config) -> dict[str, str]:
-    """GGUF name -> parameter name of the RMSNorm weights."""
-    names = {"output_norm.weight": "model.norm.weight"}
-    for i in range(config.num_hidden_layers):
-        names[f"blk.{i}.attn_norm.weight"] = f"model.layers.{i}.input_layernorm.weight"
-        names[f"blk.{i}.ffn_norm.weight"] = f"model.layers.{i}.post_attention_layernorm.weight"
-        if config.model_type in QK_NORM:
-            names[f"blk.{i}.attn_q_norm.weight"] = f"model.layers.{i}.self_attn.q_norm.weight"
-            names[f"blk.{i}.attn_k_norm.weight"] = f"model.layers.{i}.self_attn.k_norm.weight"
-    return names
 
 
 def kernels_unavailable(device: torch.device) -> str | None:
@@ -119,14 +82,18 @@ def _build(f: GGUFFile, mc, device: torch.device) -> nn.Module:
     model = _skeleton(hf, mc.max_model_len, device)
     kept, dense, fallbacks = Counter(), Counter(), Counter()
     dense_groups = []
-    for g in linear_groups(hf, f.arch):
+    for g in linear_groups(hf, f.arch, split_experts(f.tensors)):
         types = [f.tensors[n].qtype for n in g.tensors]
         meta = model.get_submodule(g.module)
+        if g.dense_only:
+            dense_groups.append(g)
+            continue
         if keep and all(t in qops.QUANT_TYPES for t in types):
-            packed = qops.quant_pack([(_bytes(f, n, h), t) for n, h, t in zip(g.tensors, g.permuted_heads, types)])
+            packed = qops.quant_pack([(_bytes(f, n, h, g.expert), t)
+                                      for n, h, t in zip(g.tensors, g.permuted_heads, types)])
             kept.update(types)
         elif requantize:
-            packed = quantize_to(_dense(f, g.tensors, g.permuted_heads), requantize, fallbacks)
+            packed = quantize_to(_dense(f, g.tensors, g.permuted_heads, g.expert), requantize, fallbacks)
             dense.update(types)
         else:
             dense_groups.append(g)
@@ -135,8 +102,7 @@ def _build(f: GGUFFile, mc, device: torch.device) -> nn.Module:
         bias = _dense(f, g.biases, g.permuted_heads).to(dtype) if g.biases else None
         _replace(model, g.module, QuantLinear(packed, bias, getattr(meta, "out_sizes", None),
                                               getattr(meta, "feeds_silu_mul", False)))
-        for n in g.tensors:
-            f.release(n)
+        _release(f, g)
     tied = hf.tie_word_embeddings
     embed = f.tensors["token_embd.weight"]
     if keep and embed.qtype in qops.QUANT_TYPES:
@@ -161,7 +127,7 @@ def _build(f: GGUFFile, mc, device: torch.device) -> nn.Module:
     model.to(dtype=dtype)  # NOTE: after the swap, so only what stays dense is converted (and touched)
     _materialize(model, device)
     with torch.no_grad():
-        _fill_dense(f, model, dense_groups, norm_tensors(hf), tied)
+        _fill_dense(f, model, dense_groups, norm_tensors(hf, f.arch), tied)
         _reset_rotary(model, hf, mc.max_model_len)
     if kept:
         logger.info("%s: weights kept as stored: %s", f.path.name, _counts(kept))
@@ -178,9 +144,17 @@ def _counts(c: Counter) -> str:
     return ", ".join(f"{t.upper()} x {n}" for t, n in c.most_common())
 
 
-def _bytes(f: GGUFFile, name: str, heads: int | None) -> torch.Tensor:
-    """A tensor's blocks as stored, uint8 [rows, row_bytes], its rows un-permuted if `heads`."""
-    raw = np.asarray(f.raw(name))
+def _release(f: GGUFFile, g: TensorGroup) -> None:
+    """Drop the group's tensors' pages once read: an expert's 3-D tensors after the last expert's."""
+    for n in g.tensors + g.biases:
+        if g.expert is None or g.expert == f.tensors[n].shape[0] - 1:
+            f.release(n)
+
+
+def _bytes(f: GGUFFile, name: str, heads: int | None, expert: int | None = None) -> torch.Tensor:
+    """A tensor's blocks as stored, uint8 [rows, row_bytes], its rows un-permuted if `heads`
+    (with `expert`: that expert's slice of a 3-D tensor)."""
+    raw = np.asarray(f.raw(name, expert))
     if heads:
         return torch.from_numpy(raw[unpermute_rows(raw.shape[0], heads)])
     with warnings.catch_warnings():
@@ -189,11 +163,13 @@ def _bytes(f: GGUFFile, name: str, heads: int | None) -> torch.Tensor:
         return torch.from_numpy(raw)
 
 
-def _dense(f: GGUFFile, names: tuple[str, ...], heads: tuple[int | None, ...]) -> torch.Tensor:
-    """The tensors dequantized to float32 and concatenated along rows (q/k un-permuted)."""
+def _dense(f: GGUFFile, names: tuple[str, ...], heads: tuple[int | None, ...], expert: int | None = None
+           ) -> torch.Tensor:
+    """The tensors (or an expert's slices) dequantized to float32 and concatenated along rows
+    (q/k un-permuted)."""
     parts = []
     for name, h in zip(names, heads):
-        t = f.dense(name)
+        t = f.dense(name, expert)
         parts.append(t[torch.from_numpy(unpermute_rows(t.shape[0], h))] if h else t)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -238,11 +214,10 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 def _fill_dense(f: GGUFFile, model: nn.Module, groups: list[TensorGroup], norms: dict[str, str], tied: bool) -> None:
     for g in groups:
         module = model.get_submodule(g.module)
-        module.weight.copy_(_dense(f, g.tensors, g.permuted_heads))
+        module.weight.copy_(_dense(f, g.tensors, g.permuted_heads, g.expert))
         if g.biases:
             module.bias.copy_(_dense(f, g.biases, g.permuted_heads))
-        for n in g.tensors + g.biases:
-            f.release(n)
+        _release(f, g)
     params = dict(model.named_parameters(remove_duplicate=False))
     for gguf_name, name in norms.items():
         params[name].copy_(f.dense(gguf_name))
@@ -257,11 +232,13 @@ def _fill_dense(f: GGUFFile, model: nn.Module, groups: list[TensorGroup], norms:
 
 def _reset_rotary(model: nn.Module, hf, max_positions: int) -> None:
     """The rotary tables, which a model built on the meta device has not computed (and which
-    `model.to(dtype)` rounded)."""
+    `model.to(dtype)` rounded): one shared table, or one per layer type (Gemma 3's)."""
     head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    fresh = None
-    for m in model.modules():
-        if isinstance(m, RotaryEmbedding):
-            fresh = fresh or RotaryEmbedding(hf, head_size, max_positions)
-            m.cos.copy_(fresh.cos)
-            m.sin.copy_(fresh.sin)
+    fresh = model.model.make_rotary(hf, head_size, max_positions)
+    for i, layer in enumerate(model.model.layers):
+        new = fresh[hf.layer_types[i]] if isinstance(fresh, dict) else fresh
+        old = layer.self_attn.rotary
+        if not isinstance(old, RotaryEmbedding):  # a layer without rotary (SmolLM3's NoPE)
+            continue
+        old.cos.copy_(new.cos)
+        old.sin.copy_(new.sin)

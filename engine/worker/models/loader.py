@@ -5,7 +5,8 @@ model with its quantized tensors kept packed); its tokenizer is converted once w
 and cached. With ``--quantization none`` it is instead dequantized once with transformers (slow:
 ~20 s for the default model) and the result cached as an ordinary HF directory (config.json,
 model.safetensors, tokenizer files) keyed by the file's identity, so every later start loads
-plain safetensors in about a second.
+plain safetensors in about a second; a family transformers reads wrong (gguf_layout.
+transformers_dequantizes) is dequantized by gguf_weights.py at each start instead.
 """
 
 from __future__ import annotations
@@ -85,7 +86,16 @@ def is_gguf(path: str) -> bool:
 
 
 def _gguf_path(gguf: Path, quantization: str) -> str:
-    return str(convert_gguf(gguf)) if quantization == "none" else str(gguf.resolve())
+    """The .gguf itself, or with quantization "none" its dequantized HF directory where
+    transformers builds the family right (gguf_layout.transformers_dequantizes; the others are
+    served from the .gguf, dense)."""
+    if quantization == "none":
+        from engine.worker.models.gguf_file import GGUFFile
+        from engine.worker.models.gguf_layout import transformers_dequantizes
+
+        if transformers_dequantizes(GGUFFile.open(gguf)):
+            return str(convert_gguf(gguf))
+    return str(gguf.resolve())
 
 
 def _file_key(path: Path) -> str:
