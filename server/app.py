@@ -30,13 +30,14 @@ from server.settings import ServerSettings
 logger = logging.getLogger(__name__)
 
 
-def make_metrics(model_name: str, cache_info: dict[str, str]) -> Any:
-    """`server.observability.Metrics`, or a minimal fallback if that module is missing."""
+def make_metrics(model_name: str, cache_info: dict[str, str], compat: str | None = None) -> Any:
+    """`server.observability.Metrics`, or a minimal fallback if that module is missing;
+    `compat` is --metrics-compat."""
     try:
         from server.observability import Metrics
     except ImportError:
         from server.metrics_fallback import FallbackMetrics as Metrics
-    return Metrics(model_name, cache_info)
+    return Metrics(model_name, cache_info, compat=compat)
 
 
 def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
@@ -105,7 +106,7 @@ def _on_engine_ready(ctx: ServerContext, llm: Any) -> None:
         logger.info("Generation defaults: none (--generation-config %s)", ctx.settings.generation_config)
     ctx.created = now()
     try:
-        ctx.metrics = make_metrics(ctx.model_name, llm.cache_info())
+        ctx.metrics = make_metrics(ctx.model_name, llm.cache_info(), ctx.settings.metrics_compat)
         ctx.engine.on_stats = ctx.metrics.observe
     except Exception:  # noqa: BLE001 - serve without metrics rather than not at all
         logger.exception("metrics could not be set up; /metrics will answer 503")
