@@ -36,6 +36,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -284,8 +285,6 @@ def main(argv: list[str] | None = None) -> int:
     own, replica_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(own)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    import tempfile
-
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="router-prefix-"))
     workdir.mkdir(parents=True, exist_ok=True)
     results = []

@@ -63,7 +63,8 @@ def daemon_args(container: dict):
     """The container's PAGED_SERVE_ARGS parsed by the daemon's own CLI (as the image's CMD runs it)."""
     env = {e["name"]: e.get("value") for e in container["env"]}
     port = int(env["PAGED_SERVE_PORT"])
-    return build_parser().parse_args(["--host", "0.0.0.0", "--port", str(port), *shlex.split(env["PAGED_SERVE_ARGS"])])
+    flags = shlex.split(env["PAGED_SERVE_ARGS"])
+    return build_parser().parse_args(["--host", "0.0.0.0", "--port", str(port), *flags])
 
 
 def quantity(value: str) -> int:
@@ -151,7 +152,8 @@ def test_the_service_and_scrape_annotations_reach_the_pods(server, container):
 def test_podmonitor_selects_the_pods_and_scrapes_metrics(server, container):
     monitor = find("PodMonitor", "paged-serve", "podmonitor.yaml")
     assert set(monitor["spec"]) <= {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel"}
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= server["spec"]["template"]["metadata"]["labels"].items()
+    pod_labels = server["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["port"] in {p["name"] for p in container["ports"]} and endpoint["path"] == "/metrics"
 
