@@ -177,6 +177,9 @@ def test_inference_pool_follows_its_crd_and_points_at_the_pods_and_the_picker(se
     assert service["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
     args = epp["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--pool-name") + 1] == pool["metadata"]["name"]
+    # The metrics the picker reads by default are exported (--metrics-compat vllm), but for LoRA's.
+    assert "--lora-info-metric=" in args
+    assert not [a for a in args if a.startswith("--") and a.endswith("-metric")]
 
 
 def test_httproute_sends_to_the_pool():
