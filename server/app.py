@@ -26,19 +26,20 @@ from server.input_processor import InputProcessor
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from server.protocol import now
 from server.responses_store import ResponseStore
-from server.routes import chat, completions, messages, models, ops, responses, tokenize
+from server.routes import chat, completions, messages, models, ops, replica, responses, tokenize
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
 
-def make_metrics(model_name: str, cache_info: dict[str, str]) -> Any:
-    """`server.observability.Metrics`, or a minimal fallback if that module is missing."""
+def make_metrics(model_name: str, cache_info: dict[str, str], compat: str | None = None) -> Any:
+    """`server.observability.Metrics`, or a minimal fallback if that module is missing;
+    `compat` is --metrics-compat."""
     try:
         from server.observability import Metrics
     except ImportError:
         from server.metrics_fallback import FallbackMetrics as Metrics
-    return Metrics(model_name, cache_info)
+    return Metrics(model_name, cache_info, compat=compat)
 
 
 def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
@@ -68,7 +69,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
     app = FastAPI(title="paged-serve", version=_version(), lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app, shapes=((is_anthropic_path, anthropic_error_response),))
-    for module in (completions, chat, responses, messages, models, tokenize, ops):
+    for module in (completions, chat, responses, messages, models, tokenize, ops, replica):
         app.include_router(module.router)
 
     # Middleware: the last added is the outermost (CORS, then auth, then the body's checks).
@@ -83,7 +84,8 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
     if settings.api_key:
         # NOTE: /dashboard is a static page with no data (it asks for a key and sends it to the
         # guarded /kv/blocks); a browser cannot send a Bearer header when it opens a page.
-        open_paths = ("/health", "/dashboard") + (ops.OPS_PATHS if settings.metrics_public else ())
+        open_paths = ("/health", "/dashboard", *replica.OPEN_PATHS)
+        open_paths += ops.OPS_PATHS if settings.metrics_public else ()
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
@@ -112,7 +114,8 @@ def _on_engine_ready(ctx: ServerContext, llm: Any) -> None:
         logger.info("Generation defaults: none (--generation-config %s)", ctx.settings.generation_config)
     ctx.created = now()
     try:
-        ctx.metrics = make_metrics(ctx.model_name, llm.cache_info())
+        ctx.cache_info = llm.cache_info()
+        ctx.metrics = make_metrics(ctx.model_name, ctx.cache_info, ctx.settings.metrics_compat)
         ctx.engine.on_stats = ctx.metrics.observe
     except Exception:  # noqa: BLE001 - serve without metrics rather than not at all
         logger.exception("metrics could not be set up; /metrics will answer 503")

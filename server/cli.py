@@ -16,6 +16,7 @@ from engine.core.config import QUANTIZATIONS, SCHEDULING_POLICIES, parse_size
 from engine.loop.engine_args import EngineArgs
 from engine.worker.models.linear_kernel import KERNELS as LINEAR_KERNELS
 from server.chat_output import TOOL_CALL_PARSERS
+from server.metrics_compat import COMPAT_MODES
 from server.reasoning import PARSERS as REASONING_PARSERS
 from server.settings import ServerSettings
 
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help='CORS origins: a JSON list (\'["*"]\') or comma-separated')
     net.add_argument("--metrics-public", action="store_true", default=False,
                      help="serve /metrics, /kv/blocks and /dashboard without the API key")
+    net.add_argument("--metrics-compat", default=None, choices=list(COMPAT_MODES),
+                     help="vllm: /metrics also exports the gauges, counters and histograms vLLM has under "
+                          "vLLM's names (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ...), for "
+                          "gateways and dashboards that read those")
     net.add_argument("--chat-template", default=None, help="Jinja chat template: a file path or the template itself")
     net.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                      help="split the model's <think>...</think> text off into message.reasoning_content "
@@ -284,6 +289,7 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         metrics_public=args.metrics_public,
+        metrics_compat=args.metrics_compat,
         max_logprobs=args.max_logprobs,
         max_n=args.max_n,
         max_best_of=args.max_best_of,

@@ -29,6 +29,7 @@ class ServerContext:
     inputs: Any = None
     metrics: Any = None  # server.observability.Metrics, or the fallback
     created: int = 0  # unix time the model finished loading (for /v1/models)
+    cache_info: dict = field(default_factory=dict)  # the engine's KV cache facts (block_size, num_gpu_blocks, ...)
     # Sampling defaults from --generation-config (server/generation_defaults.py) and their file.
     generation_defaults: dict = field(default_factory=dict)
     generation_config_file: str | None = None

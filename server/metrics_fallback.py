@@ -9,7 +9,8 @@ from engine.loop.metrics import EngineStats
 
 
 class FallbackMetrics:
-    def __init__(self, model_name: str, cache_info: dict[str, str]) -> None:
+    def __init__(self, model_name: str, cache_info: dict[str, str], compat: str | None = None) -> None:
+        # NOTE: `compat` (--metrics-compat) is not honoured: the fallback exports its own names only.
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
 

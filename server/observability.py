@@ -32,6 +32,7 @@ from prometheus_client import (
 )
 
 from engine.loop.metrics import EngineStats
+from server.metrics_compat import COMPAT_MODES, VllmCompatCollector
 
 PREFIX = "paged_serve:"
 
@@ -98,11 +99,15 @@ TOKEN_BUCKETS = [float(m * 10**e) for e in range(6) for m in (1, 2, 5) if m * 10
 class Metrics:
     """All of the daemon's Prometheus metrics for one model, in a registry of their own."""
 
-    def __init__(self, model_name: str, cache_info: dict[str, str]):
+    def __init__(self, model_name: str, cache_info: dict[str, str], compat: str | None = None):
         """`cache_info` becomes the labels of `paged_serve:cache_config_info` (e.g. block_size,
         num_gpu_blocks, num_cpu_blocks, cache_dtype, preemption_mode); keys that are not valid
         label names are rewritten with underscores. Its num_gpu_blocks, when given, sets
-        kv_blocks_total and kv_blocks_free until the first observe()."""
+        kv_blocks_total and kv_blocks_free until the first observe(). `compat` "vllm"
+        (--metrics-compat) also exports the families vLLM has under vLLM's names
+        (server/metrics_compat.py); None exports ours alone."""
+        if compat is not None and compat not in COMPAT_MODES:
+            raise ValueError(f"unknown metrics compat {compat!r}; expected one of {COMPAT_MODES}")
         # NOTE: drops the `*_created` timestamp series prometheus_client adds beside every counter
         # and histogram (as vLLM does); they double the exposition and no dashboard reads them.
         # The switch is process-wide, which is fine in a process that only serves.
@@ -199,6 +204,11 @@ class Metrics:
         if num_blocks.isdigit():
             self.kv_blocks_total.set(int(num_blocks))
             self.kv_blocks_free.set(int(num_blocks))
+        # NOTE: a registry of its own, since the collector reads self.registry at each scrape.
+        self.compat_registry: CollectorRegistry | None = None
+        if compat == "vllm":
+            self.compat_registry = CollectorRegistry(auto_describe=False)
+            self.compat_registry.register(VllmCompatCollector(self.registry, PREFIX))
 
     def observe(self, stats: EngineStats) -> None:
         """Record one engine step. Thread-safe; called from the engine thread after each step.
@@ -258,7 +268,10 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type, for GET /metrics."""
         with self._lock:  # a scrape never sees half of a step
-            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+            body = generate_latest(self.registry)
+            if self.compat_registry is not None:
+                body += generate_latest(self.compat_registry)
+            return body, CONTENT_TYPE_LATEST
 
     def _advance(self, key: str, total: int, counter: Counter) -> None:
         """Increase `counter` by how much the cumulative `total` grew since the last call."""

@@ -15,6 +15,7 @@ class ServerSettings:
     # Sampling defaults: "auto" (the model's generation_config.json), "vllm" (none) or a path.
     generation_config: str = "auto"
     metrics_public: bool = False  # /metrics, /kv/blocks and /dashboard need no API key
+    metrics_compat: str | None = None  # "vllm": /metrics also under vLLM's names (server/metrics_compat.py)
     reasoning_parser: str | None = None  # server/reasoning.py PARSERS: thinking -> reasoning_content
     tool_call_parser: str = "json"  # server/chat_output.py TOOL_CALL_PARSERS: how "auto" reads calls
     # Limits (each answered with a clear 4xx).

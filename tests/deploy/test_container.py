@@ -160,8 +160,10 @@ def test_compose_brings_the_daemon_up_healthy(image):
         compose_run("down", "-t", "1", timeout=300)
 
 
-def compose_command(project: str, file: str, env: dict):
+def compose_command(project: str, file: str, env: dict, profiles: tuple[str, ...] = ()):
     compose = ["podman-compose", "-p", project, "-f", str(ROOT / file)]
+    for profile in profiles:
+        compose += ["--profile", profile]
 
     def compose_run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         result = subprocess.run([*compose, *args], capture_output=True, text=True,
@@ -195,9 +197,9 @@ def test_replicas_answer_through_the_balancer(image):
         pytest.skip("no podman-compose (pip install podman-compose)")
     project = f"paged-serve-test-{uuid.uuid4().hex[:8]}"
     port = free_port()
-    env = {**os.environ, "PAGED_SERVE_HOST_PORT": str(port),
+    env = {**os.environ, "PAGED_SERVE_NGINX_PORT": str(port),
            "PAGED_SERVE_ARGS": "--kv-cache-memory 256MiB --max-model-len 2048 --metrics-public"}
-    compose_run = compose_command(project, "docker-compose.replicas.yml", env)
+    compose_run = compose_command(project, "docker-compose.replicas.yml", env, profiles=("nginx",))
     try:
         # Replicas first; the balancer once they are healthy (what depends_on waits for).
         up = compose_run("up", "-d", "--no-build", "paged-serve-1", "paged-serve-2")

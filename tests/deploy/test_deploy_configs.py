@@ -259,3 +259,24 @@ def test_replicas_sit_behind_the_balancer():
     assert "proxy_buffering off" in nginx  # SSE passes through unbuffered
     assert DAEMON_PORT in container_ports(balancer)
     assert all(str(p).startswith("127.0.0.1:") for p in balancer["ports"])
+    assert balancer["profiles"] == ["nginx"]  # the simple option; the router is the default front
+
+
+def test_the_router_fronts_the_replicas_with_the_cache_aware_policy():
+    replicas = load_yaml("docker-compose.replicas.yml")["services"]
+    daemons = [name for name in replicas if name.startswith(DAEMON)]
+    router = replicas["router"]
+    assert "profiles" not in router  # up by default
+    command = router["command"]
+    assert command[:2] == ["sglang-router", "launch"]
+    assert command[command.index("--policy") + 1] == "${PAGED_SERVE_ROUTER_POLICY:-cache_aware}"
+    workers = command[command.index("--worker-urls") + 1:]
+    assert workers == [f"http://{name}:{DAEMON_PORT}" for name in daemons]
+    assert command[command.index("--port") + 1] == str(DAEMON_PORT)
+    assert "sglang-router==" in router["build"]["dockerfile_inline"]  # pinned: the routes it reads
+    for name in daemons:
+        assert router["depends_on"][name]["condition"] == "service_healthy"
+    assert DAEMON_PORT in container_ports(router)
+    assert all(str(p).startswith("127.0.0.1:") for p in router["ports"])
+    # The router and nginx publish on different host ports, so both can run.
+    assert router["ports"][0].split(":")[1] != replicas["balancer"]["ports"][0].split(":")[1]

@@ -44,6 +44,8 @@ def test_server_flags(monkeypatch, tmp_path):
     assert s.chat_template == "{{ messages }}" and s.max_logprobs == 5 and s.metrics_public
     assert s.max_queued_requests == 10 and s.max_request_body_bytes == 1024**2
     assert parse_args(["--api-key", "flag"]).settings.api_key == "flag"
+    assert s.metrics_compat is None
+    assert parse_args(["--metrics-compat", "vllm"]).settings.metrics_compat == "vllm"
 
 
 def test_yaml_config_and_flag_precedence(tmp_path):

@@ -14,9 +14,9 @@ model name, out-of-vocabulary token ids, an empty prompt): half of the positive 
 GET /v1/models/{model} cases ask for the served model).
 
 CI runs a few dozen requests per endpoint; `-m slow` runs 500+ per endpoint that has inputs
-(PAGED_SERVE_SCHEMA_FUZZ=N sets the count per generation mode). The five GET routes without
-parameters (/health, /version, /v1/models, /metrics, /kv/blocks) have exactly one possible
-request each; it is sent too.
+(PAGED_SERVE_SCHEMA_FUZZ=N sets the count per generation mode). The GET routes without
+parameters (/health, /version, /v1/models, /metrics, /kv/blocks, /livez, /server_info,
+/model_info, /get_load) have exactly one possible request each; it is sent too.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ WITH_INPUTS = ["POST /v1/completions", "POST /v1/chat/completions", "POST /token
                "GET /v1/models/{model}", "GET /kv/requests/{request_id}",
                "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses",
                "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}"]
-WITHOUT_INPUTS = ["GET /health", "GET /version", "GET /v1/models", "GET /metrics", "GET /kv/blocks"]
+WITHOUT_INPUTS = ["GET /health", "GET /version", "GET /v1/models", "GET /metrics", "GET /kv/blocks",
+                  "GET /livez", "GET /server_info", "GET /model_info", "GET /get_load"]
 # Requests per generation mode (positive and negative) and endpoint, in CI.
 CI_EXAMPLES = {"POST /v1/completions": 20, "POST /v1/chat/completions": 20, "POST /tokenize": 40,
                "POST /detokenize": 40, "GET /v1/models/{model}": 40,
