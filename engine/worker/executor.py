@@ -315,10 +315,17 @@ class MultiProcessExecutor(Executor):
         for rank, p in self._procs.items():
             if not p.is_alive():
                 return WorkerDiedError(
-                    f"tensor-parallel worker rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)}; "
+                    f"{self._role(rank)} (pid {p.pid}) {_describe_exit(p.exitcode)}; "
                     "the engine cannot continue without it: restart the server"
                 )
         return None
+
+    def _role(self, rank: int) -> str:
+        """How the logs name worker `rank`."""
+        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        if pp == 1:
+            return f"tensor-parallel worker rank {rank}"
+        return f"worker rank {rank} (pipeline stage {rank // tp}" + (f", tensor-parallel rank {rank % tp})" if tp > 1 else ")")
 
     def _explain(self, e: BaseException, when: str) -> WorkerDiedError:
         # NOTE: a peer's connection may reset a moment before its process is seen to end.
