@@ -164,8 +164,11 @@ class MultiProcessExecutor(Executor):
                 raise  # e.g. the model failed to load here: the error says it best
             raise self._explain(e, "while starting") from e
         self.weights_bytes = self.runner.weights_bytes
-        logger.info("%d ranks (%d pipeline stages of %d tensor-parallel ranks; %d started here), %s, "
-                    "ready in %.1f s", tp, config.pipeline_parallel_size, config.tensor_parallel_size, local + 1, parallel.backend_for(device), time.perf_counter() - t0)
+        kind = ("tensor parallelism:" if config.pipeline_parallel_size == 1 else
+                f"pipeline parallelism: {config.pipeline_parallel_size} stages x {config.tensor_parallel_size} "
+                "tensor-parallel ranks,")
+        logger.info("%s %d ranks (%d started here), %s, ready in %.1f s", kind, tp, local + 1,
+                    parallel.backend_for(device), time.perf_counter() - t0)
         self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
         self._watchdog.start()
 

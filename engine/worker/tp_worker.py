@@ -60,6 +60,9 @@ def model_fingerprint(model_config) -> tuple:
 def check_same_model(config, group) -> None:
     """Raise RuntimeError on every rank unless all ranks see the same model files (a different
     checkpoint at the same path on another machine), before any of them loads weights."""
+    # NOTE: the ranks arrive here only once they have unpickled the config (importing transformers
+    # on the way), which may take longer than one collective's timeout: meet first, then gather.
+    parallel.wait_for_all(group, parallel.start_timeout_s())
     mine = model_fingerprint(config.model)
     everyone = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(everyone, mine, group=group)

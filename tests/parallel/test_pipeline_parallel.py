@@ -193,3 +193,19 @@ def test_ranks_that_disagree_on_the_model_fail_clearly_at_start(monkeypatch):
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+@pytest.mark.timeout(90)
+def test_hung_stage_fails_the_step_after_the_timeout(monkeypatch):
+    """A stage that stops answering leaves the others waiting in a receive, which gives up
+    after PAGED_SERVE_TP_TIMEOUT as a collective does."""
+    from tests.parallel.test_tensor_parallel import _run_until_failure, _start_long_requests
+
+    monkeypatch.setenv("PAGED_SERVE_TP_TIMEOUT", "3")
+    with tp_llm(**TINY, pipeline_parallel_size=2) as llm:
+        engine = llm.engine
+        _start_long_requests(engine)
+        os.kill(engine.executor._procs[1].pid, signal.SIGSTOP)
+        err, took = _run_until_failure(engine, 30)
+        assert isinstance(err, WorkerDiedError) and "PAGED_SERVE_TP_TIMEOUT" in str(err), err
+        assert took < 15
