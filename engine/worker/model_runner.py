@@ -61,7 +61,6 @@ class ModelRunner:
         pipelined = self.layout.num_stages > 1
         # NOTE: the full config builds the model (every rank draws the same dummy weights); the
         # stage's counts its own layers only, for the KV pool's size.
-        self.full_config = model_config
         self.config = _stage_config(model_config, len(self.layout.layers)) if pipelined else model_config
         t0 = time.perf_counter()
         torch.manual_seed(model_config.seed)
