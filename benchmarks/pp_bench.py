@@ -6,7 +6,8 @@ pipeline sizes and micro-batch counts, one engine after another.
 
 Each run is `P:M` (M micro-batches per step). The same prompts (foundation-test text) run to
 exactly --max-tokens each (EOS ignored), all admitted at once. Reported: decode tokens/s (decode
-steps' tokens over their time), the mean decode step, whether the greedy tokens equal the first
+steps' tokens over their time), the mean decode step, each rank's CPU time per decode step
+(what other jobs on a shared machine disturb least), whether the greedy tokens equal the first
 run's, and per rank its peak resident memory (VmHWM) and its memory at the end (VmRSS), read from
 /proc before shutdown. Every run is a fresh process (rank 0), so each peak is that run's own.
 
@@ -37,6 +38,13 @@ def _mem_kib(pid: int | str = "self") -> dict[str, int]:
     return out
 
 
+def _cpu_s(pid: int | str = "self") -> float:
+    """The process's CPU time (user + system, all its threads), seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_one(spec: str, args) -> dict:
     from engine.core.sampling_params import SamplingParams
     from engine.loop.llm import LLM
@@ -57,9 +65,13 @@ def run_one(spec: str, args) -> dict:
         for i, p in enumerate(prompts):
             engine.add_request(f"bench-{i}", p, params)
         decode, tokens, started = [], {}, set()
+        pids = {0: "self"} | {r: p.pid for r, p in getattr(engine.executor, "_procs", {}).items()}
+        cpu0 = None
         while engine.has_unfinished_requests():
             # NOTE: a decode step: every stream has its first token (its prompt is in the cache)
             prefill = len(started) < len(prompts)
+            if not prefill and cpu0 is None:
+                cpu0 = {r: _cpu_s(pid) for r, pid in pids.items()}
             t = time.perf_counter()
             outs = engine.step()
             took = time.perf_counter() - t
@@ -70,6 +82,7 @@ def run_one(spec: str, args) -> dict:
                     started.add(o.request_id)
                 if o.finished:
                     tokens[o.request_id] = o.outputs[0].token_ids
+        cpu = {r: _cpu_s(pid) - cpu0[r] for r, pid in pids.items()}
         ranks = {0: _mem_kib()} | {r: _mem_kib(p.pid) for r, p in getattr(engine.executor, "_procs", {}).items()}
     finally:
         engine.shutdown()
@@ -77,6 +90,8 @@ def run_one(spec: str, args) -> dict:
         "run": spec, "pp": pp, "micro_batches": micro,
         "decode_step_ms_mean": round(1000 * statistics.fmean(decode), 2),
         "decode_tokens_per_s": round(args.streams / statistics.fmean(decode), 1),
+        # NOTE: CPU time is what a shared machine's other jobs disturb least: per decode step, per rank
+        "decode_cpu_ms_per_step": {r: round(1000 * c / len(decode), 2) for r, c in cpu.items()},
         "peak_rss_mib": {r: round(m["VmHWM"] / 1024) for r, m in ranks.items()},
         "end_rss_mib": {r: round(m["VmRSS"] / 1024) for r, m in ranks.items()},
         "tokens": [tokens[f"bench-{i}"] for i in range(len(prompts))],
@@ -124,11 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     base = results[0]["decode_tokens_per_s"]
     print(f"\n{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; {args.streams} streams x "
           f"{args.prompt_len} prompt tokens -> {args.max_tokens}")
-    print(f"{'run':>6} {'decode tok/s':>13} {'vs first':>9} {'step ms':>8}  peak RSS MiB per rank (end)")
+    print(f"{'run':>6} {'decode tok/s':>13} {'vs first':>9} {'step ms':>8} {'CPU ms/step per rank':>22}"
+          "  peak RSS MiB per rank (end)")
     for r in results:
         mem = ", ".join(f"r{k}: {v} ({r['end_rss_mib'][k]})" for k, v in r["peak_rss_mib"].items())
+        cpu = " + ".join(str(v) for v in r["decode_cpu_ms_per_step"].values())
         print(f"{r['run']:>6} {r['decode_tokens_per_s']:>13} "
-              f"{r['decode_tokens_per_s'] / base:>9.2f} {r['decode_step_ms_mean']:>8}  {mem}"
+              f"{r['decode_tokens_per_s'] / base:>9.2f} {r['decode_step_ms_mean']:>8} {cpu:>22}  {mem}"
               + ("" if r["same_tokens_as_first"] else "  TOKENS DIFFER")
               + (f"  (all: {r['all_tokens_per_s']})" if args.repeat > 1 else ""))
     if args.out:
