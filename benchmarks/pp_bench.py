@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
               + (f"  (all: {r['all_tokens_per_s']})" if args.repeat > 1 else ""))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": [{k: v for k, v in r.items() if k != "tokens"} for r in results]},
+            json.dump({"args": vars(args), "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                       "load_average_1m_at_end": round(os.getloadavg()[0], 2), "results": [{k: v for k, v in r.items() if k != "tokens"} for r in results]},
                       f, indent=2)
     return 0
 
