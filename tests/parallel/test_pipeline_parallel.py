@@ -92,8 +92,9 @@ def test_pp3_equals_hf_under_swap_preemption(tiny_llama):
 
 
 @pytest.mark.timeout(120)
-def test_pp2_equals_hf_under_recompute_preemption(tiny_llama):
-    run_against_hf(tiny_llama, pipeline_parallel_size=2, num_gpu_blocks_override=32, preemption_mode="recompute")
+def test_pp2_without_micro_batches_equals_hf_under_recompute_preemption(tiny_llama):
+    run_against_hf(tiny_llama, pipeline_parallel_size=2, pipeline_micro_batches=1, num_gpu_blocks_override=32,
+                   preemption_mode="recompute")
 
 
 @pytest.mark.timeout(150)
