@@ -25,7 +25,7 @@ from engine.worker.parallel import stage_layers
 from engine.worker.pipeline_stage import micro_batches
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_hf_equality import assert_matches
-from tests.parallel.conftest import tp_llm
+from tests.parallel.conftest import run_until_failure, start_long_requests, tp_llm
 from tests.parallel.test_tensor_parallel import TINY, compare, greedy
 
 NEW = 10
@@ -131,14 +131,12 @@ def test_tiny_4kv_pp2_equals_pp1_with_swaps_copies_and_prompt_logprobs():
 
 @pytest.mark.timeout(90)
 def test_dead_stage_fails_the_engine_cleanly():
-    from tests.parallel.test_tensor_parallel import _run_until_failure, _start_long_requests
-
     with tp_llm(**TINY, pipeline_parallel_size=2) as llm:
         engine = llm.engine
-        _start_long_requests(engine)
+        start_long_requests(engine)
         pid = engine.executor._procs[1].pid
         threading.Timer(0.2, os.kill, (pid, signal.SIGKILL)).start()  # lands mid-step, in a send or receive
-        err, took = _run_until_failure(engine, 30)
+        err, took = run_until_failure(engine, 30)
         assert isinstance(err, WorkerDiedError) and "rank 1 (pipeline stage 1)" in str(err), err
         assert "SIGKILL" in str(err) and took < 10
         with pytest.raises(WorkerDiedError):
@@ -200,13 +198,11 @@ def test_ranks_that_disagree_on_the_model_fail_clearly_at_start(monkeypatch):
 def test_hung_stage_fails_the_step_after_the_timeout(monkeypatch):
     """A stage that stops answering leaves the others waiting in a receive, which gives up
     after PAGED_SERVE_TP_TIMEOUT as a collective does."""
-    from tests.parallel.test_tensor_parallel import _run_until_failure, _start_long_requests
-
     monkeypatch.setenv("PAGED_SERVE_TP_TIMEOUT", "3")
     with tp_llm(**TINY, pipeline_parallel_size=2) as llm:
         engine = llm.engine
-        _start_long_requests(engine)
+        start_long_requests(engine)
         os.kill(engine.executor._procs[1].pid, signal.SIGSTOP)
-        err, took = _run_until_failure(engine, 30)
+        err, took = run_until_failure(engine, 30)
         assert isinstance(err, WorkerDiedError) and "PAGED_SERVE_TP_TIMEOUT" in str(err), err
         assert took < 15
