@@ -28,6 +28,7 @@ ENGINE_FLAGS = (
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "swap_space", "num_gpu_blocks_override",
     "enable_prefix_caching", "kv_allocation", "max_num_seqs", "max_num_batched_tokens", "preemption_mode",
     "max_preemptions_per_request", "enable_chunked_prefill", "target_itl_ms", "target_ttft_ms", "scheduling_policy", "seed", "tensor_parallel_size",
+    "pipeline_parallel_size", "pipeline_micro_batches",
 )
 
 
@@ -199,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "is never held back), or fcfs (by arrival)")
     eng.add_argument("--seed", type=int, default=0)
     eng.add_argument("--tensor-parallel-size", type=int, default=1)
+    eng.add_argument("--pipeline-parallel-size", type=int, default=1,
+                     help="split the decoder layers into this many stages, one rank (x tensor-parallel size) each")
+    eng.add_argument("--pipeline-micro-batches", type=int, default=None,
+                     help="micro-batches per step, so that pipeline stages overlap (default: one per stage)")
     return p
 
 

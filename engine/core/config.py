@@ -104,3 +104,5 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: torch.device
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages of contiguous decoder layers (engine/worker/pipeline_stage.py)
+    pipeline_micro_batches: int | None = None  # per step and stage; None: one per stage

@@ -104,6 +104,8 @@ class EngineArgs:
     scheduling_policy: str = "shortest-prompt"  # or "fcfs" (engine/sched/admission_order.py, docs/using.md)
     seed: int = 0
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pipeline_micro_batches: int | None = None  # None: one per stage
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -129,6 +131,10 @@ class EngineArgs:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space}")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError("pipeline_parallel_size must be at least 1")
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
+            raise ValueError("pipeline_micro_batches must be at least 1")
 
         if self.device == "auto":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -219,4 +225,5 @@ class EngineArgs:
             target_ttft_ms=ttft_ms,
             scheduling_policy=self.scheduling_policy,
         )
-        return EngineConfig(model, cache, scheduler, device, self.tensor_parallel_size)
+        return EngineConfig(model, cache, scheduler, device, self.tensor_parallel_size, self.pipeline_parallel_size,
+                            self.pipeline_micro_batches)

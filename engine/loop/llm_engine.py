@@ -57,14 +57,18 @@ class LLMEngine:
         # takes ~10-40 s); the backend in use is logged.
         ops.backend()
         self.executor = create_executor(config)  # the model, on this process or on N (tensor parallel)
-        num_device, num_cpu = self.executor.num_blocks()
-        max_len_blocks = -(-mc.max_model_len // cc.block_size)
-        if num_device < max_len_blocks:
-            raise ValueError(
-                f"the KV cache holds {num_device * cc.block_size} tokens ({num_device} blocks), fewer than "
-                f"max_model_len={mc.max_model_len}: raise the KV cache memory or lower max_model_len"
-            )
-        self.cache = self.executor.init_cache(num_device, num_cpu)
+        try:
+            num_device, num_cpu = self.executor.num_blocks()
+            max_len_blocks = -(-mc.max_model_len // cc.block_size)
+            if num_device < max_len_blocks:
+                raise ValueError(
+                    f"the KV cache holds {num_device * cc.block_size} tokens ({num_device} blocks), fewer than "
+                    f"max_model_len={mc.max_model_len}: raise the KV cache memory or lower max_model_len"
+                )
+            self.cache = self.executor.init_cache(num_device, num_cpu)
+        except BaseException:
+            self.executor.shutdown()  # NOTE: a failed start leaves no worker or process group behind
+            raise
         self.block_manager = BlockManager(
             num_device,
             num_cpu,

@@ -30,11 +30,12 @@ def bytes_per_block(model: ModelConfig, block_size: int, tp_size: int = 1) -> in
 
 def num_blocks_from_budget(
     model: ModelConfig, cache: CacheConfig, device: torch.device, weights_bytes: int = 0, tp_size: int = 1,
-    scheduler: SchedulerConfig | None = None, memory: MemoryReading | None = None,
+    scheduler: SchedulerConfig | None = None, memory: MemoryReading | None = None, ranks: int | None = None,
 ) -> tuple[int, int]:
     """(device blocks, CPU swap blocks) that the memory budget allows: on a GPU the device pool
     from gpu_memory_utilization, on a CPU both pools by engine/worker/pool_sizing.py's rule unless the
-    flags give them. Call it once the weights are loaded (`memory`: read now, unless given)."""
+    flags give them. Call it once the weights are loaded (`memory`: read now, unless given).
+    `ranks`: how many ranks share the machine's memory (default `tp_size`; pipeline stages too)."""
     per_block = bytes_per_block(model, cache.block_size, tp_size)
     max_num_seqs = scheduler.max_num_seqs if scheduler is not None else 1
     swap = scheduler is None or scheduler.preemption_mode == "swap"
@@ -57,7 +58,7 @@ def num_blocks_from_budget(
         swap_bytes = min(GPU_SWAP_DEFAULT, int(KV_SHARE * max(0, memory.available - HEADROOM))) if swap else 0
     sizes = size_pools(bytes_per_block=per_block, block_size=cache.block_size, max_model_len=model.max_model_len,
                        max_num_seqs=max_num_seqs, available=memory.available, kv_cache_memory=kv_bytes,
-                       swap_space=swap_bytes, swap=swap, ranks=tp_size if device.type == "cpu" else 1,
+                       swap_space=swap_bytes, swap=swap, ranks=(ranks or tp_size) if device.type == "cpu" else 1,
                        memory=memory.describe(), kv_from=kv_from, swap_from=swap_from)
     if sizes.kv_blocks < 1:
         raise ValueError("the KV cache memory budget is too small for a single block")

@@ -1,11 +1,14 @@
 """Executors run each step's `StepInput` on the model, on one process or on N.
 
-- `LocalExecutor` (tensor_parallel_size 1): the `ModelRunner` lives in this process.
-- `MultiProcessExecutor` (tensor_parallel_size N > 1): this process is the driver, rank 0 of a
-  torch.distributed group, and computes its own shard; ranks 1..N-1 are workers
+- `LocalExecutor` (tensor_parallel_size and pipeline_parallel_size 1): the `ModelRunner` lives
+  in this process.
+- `MultiProcessExecutor` (N = P x T > 1 ranks): this process is the driver, rank 0 of a
+  torch.distributed group (pipeline stage 0, tensor-parallel rank 0), and computes its own
+  shard; ranks 1..N-1 are workers
   (engine/worker/tp_worker.py), started here with torch.multiprocessing or joining from other machines
   through the env:// rendezvous. Each call is broadcast to the workers as a small pickled
-  message on a gloo group, then run by every rank; the layers' collectives do the rest. A step
+  message on a gloo group, then run by every rank; the layers' collectives and the pipeline
+  stages' sends (engine/worker/pipeline_stage.py) do the rest. A step
   carries no block tables: each worker keeps its own copy and the step brings what changed
   (engine/worker/persistent_batch.py), so its size does not grow with the context.
 
@@ -79,15 +82,16 @@ class Executor(abc.ABC):
 
 
 def create_executor(config: EngineConfig) -> Executor:
-    """The executor for `config.tensor_parallel_size`; raises ValueError at once when that size
-    cannot split the model (before any process is started)."""
-    tp = config.tensor_parallel_size
+    """The executor for `config.tensor_parallel_size` x `config.pipeline_parallel_size`; raises
+    ValueError at once when those sizes cannot split the model (before any process is started)."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     parallel.check_divides(config.model.hf_config, tp)
+    parallel.check_stages(config.model.hf_config, pp)
     if tp > 1 and config.model.quantized:
         kind = "GGUF weights" if config.model.path.endswith(".gguf") else "weights"
         raise ValueError(f"tensor_parallel_size={tp}: quantized {kind} are not sharded across ranks yet; "
                          "use --quantization none")
-    return LocalExecutor(config) if tp == 1 else MultiProcessExecutor(config)
+    return LocalExecutor(config) if tp * pp == 1 else MultiProcessExecutor(config)
 
 
 class LocalExecutor(Executor):
@@ -107,17 +111,17 @@ class LocalExecutor(Executor):
 
 
 class MultiProcessExecutor(Executor):
-    """Driver of a tensor-parallel group; see the module docstring.
+    """Driver of a group of P x T ranks; see the module docstring.
 
     Where the workers come from: with MASTER_ADDR unset, all N-1 are started here and meet on a
-    free loopback port. With MASTER_ADDR/MASTER_PORT set, the group meets there; this process
+    free loopback port (ranks 1..T-1 are stage 0's other tensor-parallel ranks, T..2T-1 stage 1's...). With MASTER_ADDR/MASTER_PORT set, the group meets there; this process
     starts $PAGED_SERVE_TP_LOCAL_WORKERS of them (default N-1, ranks 1..k) and the others join
     with `python -m engine.worker.tp_worker` (RANK k+1..N-1) from other machines.
     """
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.tp_size = tp = config.tensor_parallel_size
+        self.world_size = tp = config.tensor_parallel_size * config.pipeline_parallel_size
         self._lock = threading.Lock()  # one message (and its collectives) at a time
         self._failure: WorkerDiedError | None = None
         self._closed = False
@@ -130,7 +134,7 @@ class MultiProcessExecutor(Executor):
         device = worker.rank_device(config.device, 0)
         if device.type == "cuda" and torch.cuda.device_count() < local + 1:
             raise ValueError(
-                f"tensor_parallel_size={tp} starts {local + 1} ranks on this machine, one GPU each, but it "
+                f"{tp} ranks (tensor x pipeline parallel) start {local + 1} on this machine, one GPU each, but it "
                 f"has {torch.cuda.device_count()} GPU(s); see docs/tensor_parallel.md for several machines"
             )
         worker.set_cpu_threads(device, local + 1)
@@ -150,7 +154,9 @@ class MultiProcessExecutor(Executor):
         try:
             self._group = self._join_group(init_method, device)
             parallel.broadcast_object(config, self._group)
-            self.runner = ModelRunner(config.model, device, config.cache.block_size)
+            worker.check_same_model(config, self._group)
+            parallel.init_grid(config.pipeline_parallel_size, config.tensor_parallel_size)
+            self.runner = ModelRunner(config.model, device, config.cache.block_size, config.pipeline_micro_batches)
             parallel.wait_for_all(self._group, parallel.start_timeout_s())  # every rank loaded
         except BaseException as e:
             self._teardown()
@@ -158,8 +164,11 @@ class MultiProcessExecutor(Executor):
                 raise  # e.g. the model failed to load here: the error says it best
             raise self._explain(e, "while starting") from e
         self.weights_bytes = self.runner.weights_bytes
-        logger.info("tensor parallelism: %d ranks (%d started here), %s, ready in %.1f s",
-                    tp, local + 1, parallel.backend_for(device), time.perf_counter() - t0)
+        kind = ("tensor parallelism:" if config.pipeline_parallel_size == 1 else
+                f"pipeline parallelism: {config.pipeline_parallel_size} stages x {config.tensor_parallel_size} "
+                "tensor-parallel ranks,")
+        logger.info("%s %d ranks (%d started here), %s, ready in %.1f s", kind, tp, local + 1,
+                    parallel.backend_for(device), time.perf_counter() - t0)
         self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -167,10 +176,10 @@ class MultiProcessExecutor(Executor):
         """(init method, number of workers to start here)."""
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if addr is None:
-            return f"tcp://127.0.0.1:{_free_port()}", self.tp_size - 1
-        local = int(os.environ.get("PAGED_SERVE_TP_LOCAL_WORKERS", self.tp_size - 1))
-        if not 0 <= local < self.tp_size:
-            raise ValueError(f"PAGED_SERVE_TP_LOCAL_WORKERS must be in 0..{self.tp_size - 1}, got {local}")
+            return f"tcp://127.0.0.1:{_free_port()}", self.world_size - 1
+        local = int(os.environ.get("PAGED_SERVE_TP_LOCAL_WORKERS", self.world_size - 1))
+        if not 0 <= local < self.world_size:
+            raise ValueError(f"PAGED_SERVE_TP_LOCAL_WORKERS must be in 0..{self.world_size - 1}, got {local}")
         return f"tcp://{addr}:{port or 29500}", local
 
     def _join_group(self, init_method: str, device: torch.device):
@@ -182,7 +191,7 @@ class MultiProcessExecutor(Executor):
 
         def join() -> None:
             try:
-                result["group"] = parallel.init(0, self.tp_size, init_method, device)
+                result["group"] = parallel.init(0, self.world_size, init_method, device)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 result["error"] = e
 
@@ -309,10 +318,17 @@ class MultiProcessExecutor(Executor):
         for rank, p in self._procs.items():
             if not p.is_alive():
                 return WorkerDiedError(
-                    f"tensor-parallel worker rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)}; "
+                    f"{self._role(rank)} (pid {p.pid}) {_describe_exit(p.exitcode)}; "
                     "the engine cannot continue without it: restart the server"
                 )
         return None
+
+    def _role(self, rank: int) -> str:
+        """How the logs name worker `rank`."""
+        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        if pp == 1:
+            return f"tensor-parallel worker rank {rank}"
+        return f"worker rank {rank} (pipeline stage {rank // tp}" + (f", tensor-parallel rank {rank % tp})" if tp > 1 else ")")
 
     def _explain(self, e: BaseException, when: str) -> WorkerDiedError:
         # NOTE: a peer's connection may reset a moment before its process is seen to end.

@@ -6,13 +6,17 @@ the driver builds from the scheduler's output and, with tensor parallelism, send
 worker: token ids, positions and block tables, never `Sequence` objects. The runner carries out the step's block moves (swap
 out, swap in, copy-on-write) before the forward pass and never decides anything itself.
 With tensor parallelism each rank runs this same code on its shard of the weights and of the
-KV heads; the layers communicate (engine/worker/models/layers.py).
+KV heads; the layers communicate (engine/worker/models/layers.py). With pipeline parallelism
+each rank keeps its stage's layers and KV pool only and runs the step through its
+`PipelineStage` (engine/worker/pipeline_stage.py); stage 0 computes the logits.
 """
 
 from __future__ import annotations
 
 from array import array
 
+import copy
+import dataclasses
 import logging
 import time
 
@@ -39,6 +43,7 @@ from engine.worker.models.registry import model_class
 from engine.worker.models.loader import is_gguf, load_weights
 from engine.worker.models.quant_linear import describe_footprint, weight_footprint
 from engine.worker.models.quantize import quantize_linear_layers
+from engine.worker.pipeline_stage import PipelineStage, StageLayout, keep_stage
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +51,17 @@ class ModelRunner:
     """This rank's model shard and KV pool. Build it after torch.distributed is initialised
     (tensor parallelism) so that the layers take their shard."""
 
-    def __init__(self, model_config: ModelConfig, device: torch.device, block_size: int):
-        self.config = model_config
+    def __init__(self, model_config: ModelConfig, device: torch.device, block_size: int,
+                 micro_batches: int | None = None):
+        """`micro_batches`: how many a pipeline stage cuts each step into (None: one per stage)."""
         self.device = device
         self.block_size = block_size
         self.tp_size = parallel.world_size()
+        self.layout = StageLayout.of_this_rank(model_config.num_layers)
+        pipelined = self.layout.num_stages > 1
+        # NOTE: the full config builds the model (every rank draws the same dummy weights); the
+        # stage's counts its own layers only, for the KV pool's size.
+        self.config = _stage_config(model_config, len(self.layout.layers)) if pipelined else model_config
         t0 = time.perf_counter()
         torch.manual_seed(model_config.seed)
         if is_gguf(model_config.path):
@@ -59,6 +70,14 @@ class ModelRunner:
         else:
             self.model = self._dense_model(model_config, device)
         self.model.eval()
+        self.stage: PipelineStage | None = None
+        if pipelined:
+            keep_stage(self.model, self.layout)
+            self.stage = PipelineStage(self.model, self.layout, model_config.hf_config.hidden_size, model_config.dtype,
+                                       device, micro_batches or self.layout.num_stages)
+            logger.info("pipeline stage %d of %d: decoder layers %d..%d%s", self.layout.stage, self.layout.num_stages,
+                        self.layout.layers.start, self.layout.layers.stop - 1,
+                        ", the embedding and the LM head" if self.layout.first else "")
         by_type, num_params = weight_footprint(self.model)
         # NOTE: packed bytes for quantized layers: this is what the KV pool's budget leaves out
         self.weights_bytes = sum(by_type.values())
@@ -70,7 +89,9 @@ class ModelRunner:
         fused = model_config.fused_ops and device.type == "cpu" and ops.backend() == "cpu"
         use_fused_ops(self.model, fused)
         logger.info("elementwise layers (RMSNorm, rotary, SiLU x up): %s", "compiled one-pass ops" if fused else "torch")
-        why_not = use_compiled_stack(self.model, device, self.tp_size, fused)
+        why_not = use_compiled_stack(self.model, device, self.tp_size, fused and not pipelined)
+        if pipelined:
+            why_not = "pipeline parallelism: a stage runs a slice of the layers and hands on its residual"
         logger.info("decoder layers: %s", "one compiled call per step (ops.decoder_stack)" if why_not is None
                     else f"layer by layer in Python ({why_not})")
         if linear_kernel.reduced_precision_is_slow(device, model_config.dtype):
@@ -116,7 +137,7 @@ class ModelRunner:
         """(device blocks, CPU swap blocks) that this rank's memory budget allows for its KV heads
         (the scheduler's max_num_seqs and preemption mode bound what the default pools need)."""
         return num_blocks_from_budget(self.config, cache_config, self.device, self.weights_bytes, self.tp_size,
-                                      scheduler_config)
+                                      scheduler_config, ranks=self.tp_size * self.layout.num_stages)
 
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> CacheEngine:
         """Allocate this rank's KV pools (once, at start-up)."""
@@ -138,6 +159,8 @@ class ModelRunner:
         cache.copy(step.blocks_to_copy)
         if not step.seqs:
             return StepOutput(torch.empty(0, self.config.hf_config.vocab_size))
+        if self.stage is not None:
+            return self._execute_stage(step)
         input_ids, positions, meta, rows = self._prepare(step)
         # NOTE: the model carries only `rows` past the last layer's attention when that leaves
         # any token out (a prefill's other prompt tokens); a step of decodes keeps them all.
@@ -148,6 +171,15 @@ class ModelRunner:
         num_seqs = len(step.seqs)
         logits = self.model.compute_logits(hidden[:num_seqs]).float()
         return StepOutput(logits, self._prompt_scores(step, hidden[num_seqs:]))
+
+    def _execute_stage(self, step: StepInput) -> StepOutput:
+        """`execute` on a pipeline stage: the logits on stage 0, an empty output elsewhere."""
+        out = self.stage.run(step.seqs, lambda seqs: self._prepare(dataclasses.replace(step, seqs=seqs)),
+                             self.cache.kv_caches)
+        if out is None:
+            return StepOutput(torch.empty(0, self.config.hf_config.vocab_size))
+        last, scoring = out
+        return StepOutput(self.model.compute_logits(last).float(), self._prompt_scores(step, scoring))
 
     def _prompt_scores(self, step: StepInput, hidden: torch.Tensor):
         """`StepOutput.prompt_scores`; `hidden` holds every scored token's predecessor, in step
@@ -194,6 +226,14 @@ class ModelRunner:
         meta = self.attn_backend.build_metadata(step.seqs, step.table_rows)
         dev = self.device
         return _tensor(ids, dev), _tensor(pos, dev), meta, _tensor(rows, dev)
+
+
+def _stage_config(model_config: ModelConfig, num_layers: int) -> ModelConfig:
+    """`model_config` as a stage of `num_layers` layers sees it: what sizes its KV pool."""
+    # NOTE: a copy of the HF config: the cache engine counts layers from num_hidden_layers
+    hf = copy.copy(model_config.hf_config)
+    hf.num_hidden_layers = num_layers
+    return dataclasses.replace(model_config, hf_config=hf)
 
 
 def _tensor(values: array, device: torch.device) -> torch.Tensor:

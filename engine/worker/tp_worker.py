@@ -1,6 +1,8 @@
-"""A tensor-parallel worker: rank 1..N-1 of the group whose rank 0 is the daemon (the driver).
+"""A worker: rank 1..N-1 of the group whose rank 0 is the daemon (the driver).
 
-A worker holds 1/N of the weights and of every KV block (its KV heads). It never schedules:
+With N = P x T ranks a worker is pipeline stage `rank // T` and tensor-parallel rank `rank % T`
+(engine/worker/parallel.py): it holds its stage's layers (engine/worker/pipeline_stage.py) and
+1/T of their weights and of every KV block (its KV heads). It never schedules:
 after joining the group it receives the `EngineConfig` from the driver, builds its
 `ModelRunner`, then obeys the driver's messages, one `(method, args)` pair at a time, in the
 same order as the driver runs them itself (see `run_method`). A step comes without its block
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -40,6 +43,35 @@ def run_method(runner, method: str, args: tuple, group) -> object:
     if method in ("init_cache", "execute"):
         return getattr(runner, method)(*args)
     raise ValueError(f"unknown worker method {method!r}")
+
+
+def model_fingerprint(model_config) -> tuple:
+    """What every rank must agree on about the model it loads: its name, shape and, unless its
+    weights are dummy, the sizes of the files at its path on this machine."""
+    hf = model_config.hf_config
+    files: list[tuple[str, int]] = []
+    if model_config.load_format != "dummy":
+        path = Path(model_config.path)
+        found = [path] if path.is_file() else sorted(path.glob("*.safetensors")) if path.is_dir() else []
+        files = [(f.name, f.stat().st_size) for f in found]
+    return (model_config.served_model_name, hf.num_hidden_layers, hf.hidden_size, hf.vocab_size, tuple(files))
+
+
+def check_same_model(config, group) -> None:
+    """Raise RuntimeError on every rank unless all ranks see the same model files (a different
+    checkpoint at the same path on another machine), before any of them loads weights."""
+    # NOTE: the ranks arrive here only once they have unpickled the config (importing transformers
+    # on the way), which may take longer than one collective's timeout: meet first, then gather.
+    parallel.wait_for_all(group, parallel.start_timeout_s())
+    mine = model_fingerprint(config.model)
+    everyone = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(everyone, mine, group=group)
+    differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
+    if differ:
+        raise RuntimeError(
+            f"rank(s) {', '.join(map(str, differ))} disagree with rank 0 on the model at {config.model.path}: "
+            f"rank 0 has {everyone[0]}, rank {differ[0]} {everyone[differ[0]]}; every machine needs the same files"
+        )
 
 
 def rank_device(config_device: torch.device, local_rank: int) -> torch.device:
@@ -70,8 +102,11 @@ def run_worker(rank: int, world_size: int, init_method: str, device_type: str, l
                 f"the driver runs on {config.device.type} but this worker on {device.type}: "
                 "set PAGED_SERVE_DEVICE on the worker to match"
             )
-        logger.info("tensor-parallel worker %d/%d on %s", rank, world_size, device)
-        runner = ModelRunner(config.model, device, config.cache.block_size)
+        check_same_model(config, group)
+        parallel.init_grid(config.pipeline_parallel_size, config.tensor_parallel_size)
+        logger.info("worker %d/%d on %s (pipeline stage %d, tensor-parallel rank %d)", rank, world_size, device,
+                    parallel.stage(), parallel.rank())
+        runner = ModelRunner(config.model, device, config.cache.block_size, config.pipeline_micro_batches)
         batch = PersistentBatch()
         parallel.wait_for_all(group, parallel.start_timeout_s())
         while True:

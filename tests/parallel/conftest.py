@@ -5,6 +5,7 @@ may hang: a collective gives up after PAGED_SERVE_TP_TIMEOUT seconds (30 here)."
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch.distributed as dist
@@ -44,3 +45,24 @@ def top2_of(output) -> list[tuple[tuple[float, int], tuple[float, int]]]:
         (_, lp1, id1), (_, lp2, id2) = ranked[0], ranked[1]
         out.append(((lp1, id1), (lp2, id2)))
     return out
+
+
+def run_until_failure(engine, limit_s: float) -> tuple[Exception, float]:
+    """Step `engine` until a step raises: (the exception, seconds it took)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        try:
+            engine.step()
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            return e, time.monotonic() - t0
+    raise AssertionError(f"the engine kept running {limit_s} s after its worker was stopped")
+
+
+def start_long_requests(engine, count: int = 3) -> None:
+    """Add `count` requests that run long, and start them."""
+    from engine.core.sampling_params import SamplingParams
+
+    for i in range(count):
+        engine.add_request(f"r{i}", [5 + i] * 20, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    for _ in range(3):
+        engine.step()

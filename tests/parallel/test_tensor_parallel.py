@@ -25,7 +25,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.step import StepInput
 from engine.worker.executor import WorkerDiedError, _free_port
 from tests.engine.test_hf_equality import assert_matches
-from tests.parallel.conftest import top2_of, tp_llm
+from tests.parallel.conftest import run_until_failure, start_long_requests, top2_of, tp_llm
 
 # NOTE: a small swap pool: each rank allocates (and zeroes) its own.
 TINY = {"model": "tiny-4kv", "load_format": "dummy", "max_model_len": 128, "kv_cache_memory": "16MiB",
@@ -148,31 +148,14 @@ def tokenizer_ids():
     return [prompt_of_length(tok, n, off) for n, _, off in CASES[:3]], 12
 
 
-def _run_until_failure(engine, limit_s: float) -> tuple[Exception, float]:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit_s:
-        try:
-            engine.step()
-        except Exception as e:  # noqa: BLE001 - the test inspects it
-            return e, time.monotonic() - t0
-    raise AssertionError(f"the engine kept running {limit_s} s after its worker was stopped")
-
-
-def _start_long_requests(engine, count: int = 3) -> None:
-    for i in range(count):
-        engine.add_request(f"r{i}", [5 + i] * 20, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
-    for _ in range(3):
-        engine.step()
-
-
 @pytest.mark.timeout(90)
 def test_worker_killed_mid_run_fails_the_engine_cleanly():
     with tp_llm(**TINY, tensor_parallel_size=2) as llm:
         engine = llm.engine
-        _start_long_requests(engine)
+        start_long_requests(engine)
         pid = engine.executor._procs[1].pid
         threading.Timer(0.2, os.kill, (pid, signal.SIGKILL)).start()  # lands mid-step, in a collective
-        err, took = _run_until_failure(engine, 30)
+        err, took = run_until_failure(engine, 30)
         assert isinstance(err, WorkerDiedError) and "rank 1" in str(err) and "SIGKILL" in str(err), err
         assert took < 10
         with pytest.raises(WorkerDiedError):  # at once, never again into a collective
@@ -207,9 +190,9 @@ def test_hung_worker_fails_the_step_after_the_timeout(monkeypatch):
     monkeypatch.setenv("PAGED_SERVE_TP_TIMEOUT", "3")
     with tp_llm(**TINY, tensor_parallel_size=2) as llm:
         engine = llm.engine
-        _start_long_requests(engine)
+        start_long_requests(engine)
         os.kill(engine.executor._procs[1].pid, signal.SIGSTOP)
-        err, took = _run_until_failure(engine, 30)
+        err, took = run_until_failure(engine, 30)
         assert isinstance(err, WorkerDiedError) and "PAGED_SERVE_TP_TIMEOUT" in str(err), err
         assert took < 15
 
