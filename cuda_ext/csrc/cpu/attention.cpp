@@ -7,6 +7,8 @@
 // vectorises them (fixed trip count for the instantiated head sizes, `omp simd` reductions).
 // On AVX2 CPUs rows of up to 512 bytes take the tiled path of attention_avx2.h instead, and on
 // AVX-512 CPUs that of attention_avx512.h; the pieces all use are in attention_parts.h.
+// A sliding window makes a task's keys the last `window` positions (first_visible), which every
+// path reads as a shorter context; a soft-cap bends the logits before the softmax (cap_logits).
 
 #include "cpu_ops.h"
 

@@ -14,6 +14,10 @@
 // out = P V with the same micro-kernel over V's 16-column strips. Results differ from SDPA's
 // only in summation order.
 //
+// A sliding window of W keys (a row at position p sees (p - W, p]): a task packs only the keys
+// from its first row's lower bound on, and each row's softmax gives 0 to the keys below its own
+// (at most kQt - 1 of them). A soft-cap c: c * tanh(s / c) of the scaled logits s, in the softmax.
+//
 // bf16: the keys and values are widened to fp32 as they are packed (which reads every row
 // anyway), the queries widened and the output narrowed once per call, so the arithmetic is the
 // fp32 path's. (SDPA per chunk had cost ~6% of a bf16 run on a 2-core Zen 4 EPYC.)
