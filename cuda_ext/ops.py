@@ -144,6 +144,8 @@ def paged_attention(
     context_lens: Tensor,
     scale: float,
     max_context_len: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Decode attention through the block tables, one query token per sequence; writes ``out``.
 
@@ -151,7 +153,10 @@ def paged_attention(
     int32, counting the cached tokens including the current one. ``max_context_len`` (a host
     int, at least the max of ``context_lens``, at most ``max_blocks_per_seq * block_size``)
     sizes the CUDA kernel's partitions. GQA: query head ``h`` reads KV head
-    ``h // (num_heads // num_kv_heads)``. fp32/fp16/bf16, fp32 accumulation.
+    ``h // (num_heads // num_kv_heads)``. fp32/fp16/bf16, fp32 accumulation. ``window`` > 0: the
+    query (position ``context_len - 1``) sees only the last ``window`` keys; ``softcap`` > 0: the
+    scaled logits s become ``softcap * tanh(s / softcap)`` (engine/worker/window_attention.py's
+    semantics, HF's). 0: none. The CUDA kernels compute neither: such calls run the reference there.
 
     Both compiled backends refuse the same calls (RuntimeError): bad shapes or dtypes, a cache
     with 0 blocks or KV heads, ``max_context_len`` past the table, and, for tables and lengths
@@ -160,18 +165,18 @@ def paged_attention(
     (or by :func:`check_device_errors`).
     """
     compiled = _compiled_for(query) and (
-        query.device.type == "cpu" or query.shape[-1] in CUDA_HEAD_SIZES
+        query.device.type == "cpu" or (query.shape[-1] in CUDA_HEAD_SIZES and not window and not softcap)
     )
     if compiled:
         torch.ops.paged_serve.paged_attention(
             out, query, key_cache, value_cache,
             block_tables.to(torch.int32), context_lens.to(torch.int32),
-            float(scale), int(max_context_len),
+            float(scale), int(max_context_len), int(window), float(softcap),
         )
     else:
         reference.paged_attention(
             out, query, key_cache, value_cache, block_tables, context_lens, scale,
-            max_context_len,
+            max_context_len, window, softcap,
         )
 
 
@@ -183,15 +188,18 @@ def prefill_attention_available() -> bool:
 
 
 def prefill_attention(out: Tensor, query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                      spans: Tensor, scale: float) -> None:
+                      spans: Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> None:
     """Causal attention of prompt chunks, all in one call, every key and value read through the
     chunk's block table (its cached prefix and its own tokens, already written by
     :func:`reshape_and_cache`). Writes ``out`` ``[tokens, heads, head]`` (CPU, fp32 or bf16: the
     dtype of ``query`` and the caches; bf16 is computed in fp32). ``spans`` ``[chunks, 3]``
     int32: each chunk's first row, tokens, and tokens cached before it (its first position);
     ``block_tables`` ``[chunks, width]`` int32. Matches SDPA per chunk (``is_causal`` over the
-    whole context) up to summation order."""
-    torch.ops.paged_serve.prefill_attention(out, query, key_cache, value_cache, block_tables, spans, scale)
+    whole context) up to summation order. ``window`` > 0: a query at position p sees only the keys
+    at (p - window, p]; ``softcap`` > 0: the scaled logits s become ``softcap * tanh(s / softcap)``
+    (engine/worker/window_attention.py's ``attend``). 0: none."""
+    torch.ops.paged_serve.prefill_attention(out, query, key_cache, value_cache, block_tables, spans, scale,
+                                            int(window), float(softcap))
 
 
 def decoder_stack_available() -> bool:
@@ -205,7 +213,7 @@ def decoder_stack(x: Tensor, positions: Tensor, weights: Sequence[Tensor], qkv_b
                   value_caches: Sequence[Tensor], slot_mapping: Tensor, prefill_tables: Tensor | None,
                   prefill_spans: Tensor | None, num_prefill_tokens: int, decode_tables: Tensor | None,
                   decode_lens: Tensor | None, max_decode_len: int, num_heads: int, num_kv_heads: int,
-                  intermediate_size: int, scale: float, eps: float, rows: Tensor | None) -> Tensor:
+                  intermediate_size: int, scale: float, eps: float, rows: Tensor | None, window: int = 0) -> Tensor:
     """A Llama-family model's decoder layers and final RMSNorm over one step's tokens, in one
     call (csrc/cpu/decoder_stack.cpp): the kernels of this module, in the order and on the
     tensors engine/worker/models/llama.py uses with the fused ops and the panels kernel, so the same
@@ -217,12 +225,12 @@ def decoder_stack(x: Tensor, positions: Tensor, weights: Sequence[Tensor], qkv_b
     all :func:`quant_pack`'s uint8 tensors (the dtype tells the stack: :func:`quant_matmul`, and
     gate/up a packed ``[gate | up]`` through :func:`quant_silu_mul`; x fp32 or bf16). Attention
     arguments as :func:`prefill_attention` (the first ``num_prefill_tokens`` rows) and
-    :func:`paged_attention` (the others). Returns the normed
+    :func:`paged_attention` (the others), ``window`` every layer's sliding window (0: none). Returns the normed
     hidden states of ``rows`` (int64 token indices; None: every token), ``[rows, hidden]``."""
     return torch.ops.paged_serve.decoder_stack(
         x, positions, list(weights), list(qkv_biases), list(qk_norms), final_norm, cos, sin, list(key_caches), list(value_caches),
         slot_mapping, prefill_tables, prefill_spans, num_prefill_tokens, decode_tables, decode_lens, max_decode_len,
-        num_heads, num_kv_heads, intermediate_size, scale, eps, rows)
+        num_heads, num_kv_heads, intermediate_size, scale, eps, rows, int(window))
 
 
 def draw_tokens_compiled(logits: Tensor) -> bool:

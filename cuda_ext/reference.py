@@ -55,6 +55,8 @@ def paged_attention(
     context_lens: Tensor,
     scale: float,
     max_context_len: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Decode attention, one query token per sequence, written into ``out`` (in place).
 
@@ -62,6 +64,8 @@ def paged_attention(
     ``[num_seqs, max_blocks_per_seq]``; ``context_lens``: ``[num_seqs]``. Query head ``h`` reads
     KV head ``h // (num_heads // num_kv_heads)``. Softmax in fp32. A sequence with context
     length 0 gets zeros. ``max_context_len`` is unused here (kept for the common signature).
+    ``window`` > 0: the query (position context_len - 1) sees only the last ``window`` keys;
+    ``softcap`` > 0: the scaled logits s become ``softcap * tanh(s / softcap)``.
     """
     del max_context_len
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -73,8 +77,12 @@ def paged_attention(
             out[i].zero_()
             continue
         k, v = gather_cached_kv(key_cache, value_cache, block_tables[i], context_len)
+        if window > 0:
+            k, v = k[max(0, context_len - window):], v[max(0, context_len - window):]
         q = query[i].float().view(num_kv_heads, group, head_size)
         scores = torch.einsum("kgd,tkd->kgt", q, k.float()) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         probs = torch.softmax(scores, dim=-1)
         o = torch.einsum("kgt,tkd->kgd", probs, v.float())
         out[i].copy_(o.reshape(num_heads, head_size))

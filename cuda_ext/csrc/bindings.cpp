@@ -42,7 +42,8 @@ TORCH_LIBRARY(paged_serve, m) {
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor context_lens, float scale, int max_context_len) -> ()");
+        "Tensor block_tables, Tensor context_lens, float scale, int max_context_len, int window=0, "
+        "float softcap=0.) -> ()");
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping, "
         "Tensor? cache_ptrs=None) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
@@ -63,20 +64,20 @@ TORCH_LIBRARY(paged_serve, m) {
   m.def("linear_panels_silu_mul(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("linear_panels_available() -> bool", &cpu::linear_panels_available);
   // Causal prefill attention of all a step's prompt chunks over the paged caches
-  // (cpu/prefill_attention.cpp); CPU fp32 or bf16.
+  // (cpu/prefill_attention.cpp); CPU fp32 or bf16. window / softcap: as paged_attention's (0: none).
   m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor spans, float scale) -> ()");
+        "Tensor block_tables, Tensor spans, float scale, int window=0, float softcap=0.) -> ()");
   m.def("prefill_attention_available() -> bool", &cpu::prefill_attention_available);
   // A Llama-family model's decoder layers and final norm over one step, in one call
   // (cpu/decoder_stack.cpp); CPU, fp32 with panels-packed weights, fp32 / bf16 with oneDNN's or with
   // quant_pack's (uint8) weights; qk_norms: none, or per layer the per-head query and key norms
-  // (Qwen3's). Overwrites x (and the caches).
+  // (Qwen3's); window: every layer's sliding window (0: none). Overwrites x (and the caches).
   m.def("decoder_stack(Tensor(a!) x, Tensor positions, Tensor[] weights, Tensor[] qkv_biases, Tensor[] qk_norms, "
         "Tensor final_norm, "
         "Tensor cos, Tensor sin, Tensor(b!)[] key_caches, Tensor(c!)[] value_caches, Tensor slot_mapping, "
         "Tensor? prefill_tables, Tensor? prefill_spans, int num_prefill_tokens, Tensor? decode_tables, "
         "Tensor? decode_lens, int max_decode_len, int num_heads, int num_kv_heads, int intermediate_size, "
-        "float scale, float eps, Tensor? rows) -> Tensor");
+        "float scale, float eps, Tensor? rows, int window=0) -> Tensor");
   // Integer-dot-product products over GGUF-quantized weights (cpu/quant_*.cpp); CPU only. The
   // packed tensor's header holds N, so these have no Meta kernels (shapes depend on its data).
   m.def("quant_isa() -> str", &cpu::quant_isa);
@@ -124,7 +125,7 @@ TORCH_LIBRARY_IMPL(paged_serve, MkldnnCPU, m) {
 TORCH_LIBRARY_IMPL(paged_serve, Meta, m) {
   m.impl("reshape_and_cache", [](const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&) {});
   m.impl("paged_attention", [](at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, double, int64_t) {});
+                               const at::Tensor&, double, int64_t, int64_t, double) {});
   m.impl("copy_blocks", [](at::TensorList, at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&) {});
   m.impl("swap_blocks", [](const at::Tensor&, at::Tensor&, const at::Tensor&) {});
   m.impl("draw_tokens", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&) {});
@@ -144,13 +145,13 @@ TORCH_LIBRARY_IMPL(paged_serve, Meta, m) {
     return at::empty({x.size(0), out_features}, x.options());
   });
   m.impl("prefill_attention", [](at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&, const at::Tensor&, double) {});
+                                 const at::Tensor&, const at::Tensor&, double, int64_t, double) {});
   m.impl("decoder_stack", [](at::Tensor& x, const at::Tensor&, at::TensorList, at::TensorList, at::TensorList,
                              const at::Tensor&,
                              const at::Tensor&, const at::Tensor&, at::TensorList, at::TensorList, const at::Tensor&,
                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t, int64_t,
-                             int64_t, int64_t, double, double, const std::optional<at::Tensor>& rows) {
+                             int64_t, int64_t, double, double, const std::optional<at::Tensor>& rows, int64_t) {
     return at::empty_symint({rows.has_value() ? rows->sym_size(0) : x.sym_size(0), x.sym_size(1)}, x.options());
   });
 }
@@ -259,8 +260,12 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
 
 void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables,
-                          const at::Tensor& context_lens, double scale, int64_t max_context_len) {
+                          const at::Tensor& context_lens, double scale, int64_t max_context_len, int64_t window,
+                          double softcap) {
   raise_device_error("paged_attention");
+  // NOTE: the CUDA kernels compute neither; cuda_ext.ops runs the reference for such calls.
+  PS_CHECK(window == 0 && softcap == 0.0, "the CUDA paged_attention computes no sliding window or logit soft-cap "
+           "(window ", window, ", softcap ", softcap, "); cuda_ext.ops.paged_attention runs the reference for them");
   checks::check_attention(out, query, key_cache, value_cache, block_tables, context_lens, max_context_len);
   PS_CHECK(cuda::attention_supports_head_size(query.size(2)), "the CUDA paged_attention is built for head sizes 64 "
            "and 128, not ", query.size(2));

@@ -5,8 +5,10 @@ varlen prefill kernel, say) replaces the per-sequence SDPA loop without touching
 or the model. `TorchPagedBackend` is the portable one: for prefills the compiled one-call
 `prefill_attention` op on a CPU (fp32, bf16), SDPA per sequence elsewhere; the compiled
 `paged_attention` op for decodes; every cache access through `cuda_ext.ops`. A layer with a
-sliding window or a logit soft-cap (`PagedAttention.sliding_window` / `.logit_softcap`), which
-those kernels do not compute, attends in torch (engine/worker/window_attention.py) instead.
+sliding window or a logit soft-cap (`PagedAttention.sliding_window` / `.logit_softcap`) hands
+them to the compiled CPU kernels, which compute both; where those do not run (off a CPU, the
+reference ops, prompts the prefill kernel does not take) it attends in torch
+(engine/worker/window_attention.py) instead.
 """
 
 from __future__ import annotations
@@ -133,18 +135,19 @@ class TorchPagedBackend(AttentionBackend):
         key_cache, value_cache = kv_cache
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        if not _kernels_apply(layer, meta):
+        window, softcap = _window_and_cap(layer, meta)
+        if not _kernels_apply(window, softcap, q, key_cache, meta):
             self._attend_exact(layer, q, k, v, meta, key_cache, value_cache, out)
             return out
         P = meta.num_prefill_tokens
         if meta.prefill_spans is not None and _prefill_kernel_applies(q, key_cache):
             ops.prefill_attention(out[:P], q[:P], key_cache, value_cache, meta.prefill_tables, meta.prefill_spans,
-                                  layer.scale)
+                                  layer.scale, window, softcap)
         else:
             self._prefill_each(layer, q, k, v, meta, key_cache, value_cache, out)
         if P < q.shape[0]:
             ops.paged_attention(out[P:], q[P:], key_cache, value_cache, meta.decode_block_tables,
-                                meta.decode_context_lens, layer.scale, meta.max_decode_context_len)
+                                meta.decode_context_lens, layer.scale, meta.max_decode_context_len, window, softcap)
         return out
 
     @staticmethod
@@ -188,14 +191,28 @@ class TorchPagedBackend(AttentionBackend):
             out[P + j:P + j + 1] = attend(q[P + j:P + j + 1], ks, vs, ctx - 1, b * bs, scale, window, cap)
 
 
-def _kernels_apply(layer, meta: AttentionMetadata) -> bool:
-    """Whether the compiled kernels compute this layer's attention for this step: it has no
-    soft-cap, and no window or one that no sequence of the step outgrows (a context of at most
-    W tokens sees all of them within the window)."""
-    if getattr(layer, "logit_softcap", None) is not None:
+def _window_and_cap(layer, meta: AttentionMetadata) -> tuple[int, float]:
+    """The window and soft-cap the kernels must compute for this layer and step (0: none, as
+    ops.paged_attention / prefill_attention take them): the layer's soft-cap, and its window
+    unless no context of the step outgrows it (a context of at most W tokens sees all of them)."""
+    softcap = getattr(layer, "logit_softcap", None) or 0.0
+    window = getattr(layer, "sliding_window", None) or 0
+    if window and meta.max_context_len is not None and meta.max_context_len <= window:
+        window = 0
+    return window, softcap
+
+
+def _kernels_apply(window: int, softcap: float, q: torch.Tensor, key_cache: torch.Tensor,
+                   meta: AttentionMetadata) -> bool:
+    """Whether the kernels of `forward` compute this layer's attention for this step: always
+    without a window or soft-cap to compute; with one, the compiled CPU kernels on CPU tensors
+    (the decode kernel takes every dtype and head size, the prefill kernel what
+    `_prefill_kernel_applies` says), not SDPA per span nor the CUDA kernels."""
+    if not window and not softcap:
+        return True
+    if q.device.type != "cpu" or ops.backend() == "reference":
         return False
-    window = getattr(layer, "sliding_window", None)
-    return window is None or (meta.max_context_len is not None and meta.max_context_len <= window)
+    return meta.num_prefill_tokens == 0 or (meta.prefill_spans is not None and _prefill_kernel_applies(q, key_cache))
 
 
 def _table_matrix(tables: list, device: torch.device) -> torch.Tensor:

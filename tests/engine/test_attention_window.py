@@ -2,7 +2,8 @@
 through `TorchPagedBackend`: against a dense reference built from positions (HF's mask: a query
 at p sees keys at p - W < kp <= p; scores c * tanh(s / c) before the mask), for a fresh prompt, a
 chunk after a cached prefix, a one-token chunk and decodes in one step, GQA, several block sizes;
-and the compiled kernels still taken where the window changes nothing."""
+both in the compiled CPU kernels (which compute windows and soft-caps) and in the torch path
+(`_attend_exact`, for what the kernels do not take)."""
 
 from __future__ import annotations
 
@@ -64,38 +65,69 @@ def run_step(block_size, window, softcap, dtype=torch.float32, plan=PLAN, seed=0
     return got, torch.cat(want)
 
 
+def exact_calls(monkeypatch) -> list:
+    """A list that grows by one at every call of the torch path."""
+    calls = []
+    real = attention_backend.TorchPagedBackend._attend_exact
+    monkeypatch.setattr(attention_backend.TorchPagedBackend, "_attend_exact",
+                        staticmethod(lambda *a: calls.append(1) or real(*a)))
+    return calls
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def path(request, monkeypatch):
+    """Which path attends: the compiled kernels (the default on a CPU), or the torch path, forced
+    as for tensors the kernels do not take."""
+    if request.param == "torch":
+        monkeypatch.setattr(attention_backend, "_kernels_apply", lambda window, softcap, *a: not window and not softcap)
+    return request.param
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("window,softcap", [(8, None), (5, None), (1, None), (None, 0.5), (8, 0.5), (64, 2.0)])
-def test_the_torch_path_equals_dense_attention(block_size, window, softcap):
+def test_either_path_equals_dense_attention(block_size, window, softcap, path, monkeypatch):
+    calls = exact_calls(monkeypatch)
     got, want = run_step(block_size, window, softcap)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert bool(calls) == (path == "torch" and (softcap is not None or window < 37))  # 37: the longest context
 
 
-def test_long_prompts_go_in_query_chunks(monkeypatch):
+def test_long_prompts_go_in_query_chunks(monkeypatch, path):
     """Chunks of 4 query rows (each reading only the keys its window reaches) give the same."""
     monkeypatch.setattr(window_attention, "QUERY_CHUNK", 4)
     got, want = run_step(4, 7, 1.5)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_bfloat16():
+def test_bfloat16(path):
     got, want = run_step(4, 8, 0.5, dtype=torch.bfloat16)
     torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2)
 
 
-def test_a_window_that_changes_nothing_keeps_the_kernels(monkeypatch):
+def test_the_kernels_compute_the_window_past_it(monkeypatch):
     """Every context within the window (at most W tokens): the kernels run, and give the window's
-    attention; one token past it and the torch path runs, and the kernels' answer is wrong."""
-    calls = []
-    real = attention_backend.TorchPagedBackend._attend_exact
-    monkeypatch.setattr(attention_backend.TorchPagedBackend, "_attend_exact",
-                        staticmethod(lambda *a: calls.append(1) or real(*a)))
+    attention; one token past it they still run, with the window, and the plain kernels' answer
+    (no window) is wrong there."""
+    calls = exact_calls(monkeypatch)
     longest = max(n + c for n, c, _ in PLAN)
     got, want = run_step(4, longest, None)
-    assert not calls
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     got, want = run_step(4, longest - 1, None)
-    assert calls
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert not calls
     without_window, _ = run_step(4, None, None)
     assert not torch.allclose(without_window.double(), want, rtol=1e-3, atol=1e-3)
+
+
+def test_the_torch_path_where_the_prefill_kernel_does_not_run(monkeypatch):
+    """A step with prompts the prefill kernel does not take (here: it is not built) attends in
+    torch with its window and soft-cap; a step of decodes alone stays on the decode kernel."""
+    monkeypatch.setattr(attention_backend.ops, "prefill_attention_available", lambda: False)
+    calls = exact_calls(monkeypatch)
+    got, want = run_step(4, 8, 0.5)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert calls
+    calls.clear()
+    got, want = run_step(4, 8, 0.5, plan=[p for p in PLAN if not p[2]])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert not calls

@@ -105,6 +105,34 @@ def test_the_stack_gives_the_python_layers_floats(tmp_path, seed, bias, dtype, k
     assert any(p == 0 for p, *_ in seen), "no step of decodes alone"
 
 
+def test_a_window_all_layers_share_runs_in_the_stack_past_it(tmp_path):
+    """Mistral's one sliding window on every layer: the kernels compute it, so the stack runs
+    the steps whose contexts outgrow it too, with the Python layers' floats."""
+    config = json.loads((REPO / "configs/models/tiny-4kv.json").read_text())
+    config |= {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 16}
+    (tmp_path / "swa.json").write_text(json.dumps(config))
+    engine = tiny_engine(tmp_path, model=str(tmp_path / "swa.json"))
+    stack = engine.executor.runner.model.model.compiled_stack
+    assert stack is not None and stack.window == 16 and stack.shared_window
+    applied = []  # (the step's longest context, whether the stack ran it)
+    applies = stack.applies
+
+    def record(meta, kv_caches):
+        applied.append((meta.max_context_len, applies(meta, kv_caches)))
+        return applied[-1][1]
+
+    object.__setattr__(stack, "applies", record)  # a frozen dataclass
+    seen = run_both_ways(engine)
+    rng = random.Random(3)
+    for i in range(6):
+        engine.add_request(f"r{i}", [rng.randrange(3, 1000) for _ in range(rng.randrange(5, 60))],
+                           SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert any(p and d for p, d, _, _ in seen)
+    assert all(ran for _, ran in applied) and max(n for n, _ in applied) > 16
+
+
 def test_where_it_does_not_apply_the_layers_run_in_python(tmp_path, caplog):
     caplog.set_level("INFO", logger="engine.worker.model_runner")
     for kwargs, why in (({"fused_ops": False}, "turned off"), ({"linear_kernel": "torch"}, "panels kernel"),

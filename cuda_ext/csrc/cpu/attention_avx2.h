@@ -75,7 +75,9 @@ inline Scratch& scratch() {
 template <typename T, int D>
 constexpr bool kAvx2Rows = D > 0 && D % 8 == 0 && !std::is_same_v<T, double> && D * sizeof(T) <= 512;
 
-// The K/V rows of one task: (sequence, KV head) through its block table.
+// The K/V rows of one task: (sequence, KV head) through its block table. The task attends to
+// its `context_len` tokens, token t being position first + t of the sequence (first > 0 only
+// under a sliding window: first_visible).
 template <typename T>
 struct TaskRows {
   const AttentionArgs* a;
@@ -83,10 +85,12 @@ struct TaskRows {
   const T* value_cache;
   const int* block_table;
   int seq, kv_head, context_len;
+  int first = 0;
   // Where token t's row is in either cache (K and V share their layout).
   int64_t offset(int t) const {
-    return block_table[block_of(*a, t)] * a->cache_stride_block + kv_head * a->cache_stride_head +
-           offset_in_block(*a, t) * a->cache_stride_token;
+    const int p = first + t;
+    return block_table[block_of(*a, p)] * a->cache_stride_block + kv_head * a->cache_stride_head +
+           offset_in_block(*a, p) * a->cache_stride_token;
   }
   const T* row(const T* cache, int t) const { return cache + offset(t); }
   // Tiles per pass (`per`) when a tile holds one token from each of `tile` lanes: lane i is
@@ -170,6 +174,7 @@ void attend_one_avx2(const AttentionArgs& a, const TaskRows<T>& task, const Task
   // have them) take -inf, then weigh 0 (their e^-87 in the sum is below its rounding).
   for (int g = 0; g < group; ++g) {
     float* l = logits + g * padded;
+    cap_logits(a, l, padded);
     auto past_context = [&](float value) {
       for (int t0 = 0; t0 < padded; t0 += kTile)
         for (int i = 0; i < kTile; ++i)

@@ -226,9 +226,12 @@ void attend_one_avx512(const AttentionArgs& a, const TaskRows<T>& task, const Ta
     }
   }
 
-  // Softmax per query head, in fp32; entries past the context weigh 0.
-  for (int g = 0; g < group; ++g)
+  // Softmax per query head, in fp32; entries past the context weigh 0. NOTE: the soft-cap is
+  // monotonic, so entries past the context still never exceed the maximum (softmax_weights).
+  for (int g = 0; g < group; ++g) {
+    cap_logits(a, logits + g * padded, padded);
     inv_sum[g] = softmax_weights(logits + g * padded, per, kTile, context_len, kBf16Dot<T, D> ? weights + g * padded : nullptr);
+  }
 
   // Pass 2: out_g = sum_t p[g, t] v_t / sum. The output accumulates in q's scratch (q is no
   // longer needed).

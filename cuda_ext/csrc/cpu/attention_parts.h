@@ -30,7 +30,28 @@ struct AttentionArgs {
   int64_t cache_stride_block, cache_stride_head, cache_stride_token;
   float scale;
   int block_shift;  // log2(block_size) when it is a power of two, else -1 (see block_of)
+  // A sliding window of `window` keys (0: none): the query, at position context_len - 1, sees
+  // the keys at positions [context_len - window, context_len) only (see first_visible).
+  int window = 0;
+  // Logit soft-capping (0: none): a scaled logit s becomes softcap * tanh(s / softcap) before
+  // the softmax (see cap_logits).
+  float softcap = 0.f;
 };
+
+// The first position a sequence's query sees: context_len - window with a window, else 0. The
+// keys it sees are then the contiguous positions [first, context_len), so every path runs its
+// loops unchanged over context_len - first tokens counted from `first` (exact, no masking).
+inline int first_visible(const AttentionArgs& a, int context_len) {
+  return a.window > 0 ? std::max(0, context_len - a.window) : 0;
+}
+
+// The call's soft-cap (if any) on n scaled logits, in place (soft_cap: exp_poly.h, vectorised).
+inline void cap_logits(const AttentionArgs& a, float* l, int n) {
+  if (a.softcap <= 0.f) return;
+  const float cap = a.softcap;
+#pragma omp simd
+  for (int t = 0; t < n; ++t) l[t] = soft_cap(l[t], cap);
+}
 
 // (block, offset) of token t: a shift and a mask for power-of-two block sizes (the ones used),
 // a division otherwise. NOTE: a 32-bit division is ~10+ cycles of latency on x86; the vector

@@ -108,7 +108,7 @@ at::Tensor decoder_stack(at::Tensor& x, const at::Tensor& positions, at::TensorL
                          const std::optional<at::Tensor>& prefill_spans, int64_t num_prefill_tokens,
                          const std::optional<at::Tensor>& decode_tables, const std::optional<at::Tensor>& decode_lens,
                          int64_t max_decode_len, int64_t num_heads, int64_t num_kv_heads, int64_t intermediate_size,
-                         double scale, double eps, const std::optional<at::Tensor>& rows) {
+                         double scale, double eps, const std::optional<at::Tensor>& rows, int64_t window) {
   constexpr const char* op = "decoder_stack";
   const int64_t layers = static_cast<int64_t>(key_caches.size());
   PS_CHECK(layers > 0 && static_cast<int64_t>(value_caches.size()) == layers &&
@@ -165,12 +165,12 @@ at::Tensor decoder_stack(at::Tensor& x, const at::Tensor& positions, at::TensorL
     at::Tensor attn = at::empty({T, num_heads, d}, x.options());
     if (P > 0) {
       at::Tensor out = attn.narrow(0, 0, P);
-      prefill_attention(out, q.narrow(0, 0, P), key_cache, value_cache, *prefill_tables, *prefill_spans, scale);
+      prefill_attention(out, q.narrow(0, 0, P), key_cache, value_cache, *prefill_tables, *prefill_spans, scale, window);
     }
     if (P < T) {
       at::Tensor out = attn.narrow(0, P, T - P);
       paged_attention(out, q.narrow(0, P, T - P), key_cache, value_cache, *decode_tables, *decode_lens, scale,
-                      max_decode_len);
+                      max_decode_len, window);
     }
     at::Tensor a = attn.view({T, q_size});
     if (l == layers - 1 && rows.has_value()) {

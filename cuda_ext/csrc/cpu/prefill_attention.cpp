@@ -14,6 +14,10 @@
 // out = P V with the same micro-kernel over V's 16-column strips. Results differ from SDPA's
 // only in summation order.
 //
+// A sliding window of W keys (a row at position p sees (p - W, p]): a task packs only the keys
+// from its first row's lower bound on, and each row's softmax gives 0 to the keys below its own
+// (at most kQt - 1 of them). A soft-cap c: c * tanh(s / c) of the scaled logits s, in the softmax.
+//
 // bf16: the keys and values are widened to fp32 as they are packed (which reads every row
 // anyway), the queries widened and the output narrowed once per call, so the arithmetic is the
 // fp32 path's. (SDPA per chunk had cost ~6% of a bf16 run on a 2-core Zen 4 EPYC.)
@@ -27,6 +31,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -50,6 +55,8 @@ struct Problem {
   const int32_t* spans;  // per chunk: first row, tokens, cached tokens before it
   int64_t q_row, out_row, table_width, kv_heads, group, head_size, block_size;
   float scale;
+  int64_t window;  // a query at position p sees the keys at (p - window, p]; 0: all of [0, p]
+  float softcap;   // c * tanh(s / c) of the scaled logits s; 0: none
 };
 
 #if PAGED_SERVE_LINEAR_PANELS
@@ -59,23 +66,26 @@ struct Scratch {
   std::vector<float> keys_t, values, logits;
 };
 
-// softmax(scale * row[0:n]) in place; row[n:width] = 0.
-void softmax_row(float* row, int64_t n, int64_t width, float scale) {
+// softmax(cap(scale * row[from:n])) in place (cap: the soft-cap, if any); row[0:from] and
+// row[n:width] = 0.
+void softmax_row(float* row, int64_t from, int64_t n, int64_t width, float scale, float softcap) {
   float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = from; j < n; ++j) {
     row[j] *= scale;
+    if (softcap > 0.0f) row[j] = soft_cap(row[j], softcap);
     m = std::max(m, row[j]);
   }
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = from; j < n; ++j) {
     row[j] = exp_clamped(row[j] - m);
     sum += row[j];
   }
   const float inv = 1.0f / sum;
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) row[j] *= inv;
+  for (int64_t j = from; j < n; ++j) row[j] *= inv;
+  std::fill(row, row + from, 0.0f);
   std::fill(row + n, row + width, 0.0f);
 }
 
@@ -84,13 +94,18 @@ void run_task(const Problem<T>& p, int64_t chunk, int64_t kv_head, int64_t t0, S
   const int32_t* span = p.spans + 3 * chunk;
   const int64_t first = span[0], cached = span[2], t1 = std::min<int64_t>(span[1], t0 + kQt);
   const int32_t* table = p.tables + chunk * p.table_width;
-  const int64_t D = p.head_size, keys = cached + t1, panels = (keys + kNr - 1) / kNr, width = panels * kNr;
+  // The keys the task's rows see: positions [key0, cached + t1), key j of the task being position
+  // key0 + j. Under a window, key0 is the lower bound of the task's first row (later rows' are
+  // higher: softmax_row zeroes the keys below a row's own).
+  const int64_t key0 = p.window > 0 ? std::max<int64_t>(0, cached + t0 - p.window + 1) : 0;
+  const int64_t D = p.head_size, keys = cached + t1 - key0, panels = (keys + kNr - 1) / kNr, width = panels * kNr;
   s.keys_t.assign(panels * D * kNr, 0.0f);
   s.values.resize(keys * D);
   s.logits.resize(kMr * width);
   for (int64_t j = 0; j < keys; ++j) {
-    const int64_t at = ((static_cast<int64_t>(table[j / p.block_size]) * p.kv_heads + kv_head) * p.block_size +
-                        j % p.block_size) * D;
+    const int64_t pos = key0 + j;
+    const int64_t at = ((static_cast<int64_t>(table[pos / p.block_size]) * p.kv_heads + kv_head) * p.block_size +
+                        pos % p.block_size) * D;
     const auto* k = stored(p.key_cache + at);
     const auto* v = stored(p.value_cache + at);
     float* kt = s.keys_t.data() + (j / kNr) * D * kNr + j % kNr;
@@ -102,13 +117,17 @@ void run_task(const Problem<T>& p, int64_t chunk, int64_t kv_head, int64_t t0, S
   for (int64_t h = kv_head * p.group; h < (kv_head + 1) * p.group; ++h) {
     for (int64_t r0 = t0; r0 < t1; r0 += kMr) {
       const int rows = static_cast<int>(std::min<int64_t>(kMr, t1 - r0));
-      const int64_t last = cached + r0 + rows;  // keys the rows' last token attends to
+      const int64_t last = cached + r0 + rows - key0;  // keys up to the rows' last token
       const float* x = p.q + (first + r0) * p.q_row + h * D;
       for (int64_t b = 0; b < (last + kNr - 1) / kNr; ++b) {
         panel::tile_rows(rows, x, p.q_row, s.keys_t.data() + b * D * kNr, kNr, D, s.logits.data() + b * kNr, width,
                          kNr, nullptr);
       }
-      for (int r = 0; r < rows; ++r) softmax_row(s.logits.data() + r * width, cached + r0 + r + 1, last, p.scale);
+      for (int r = 0; r < rows; ++r) {
+        const int64_t pos = cached + r0 + r;  // the row's position; it sees keys (pos - window, pos]
+        const int64_t from = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - key0) : 0;
+        softmax_row(s.logits.data() + r * width, from, pos + 1 - key0, last, p.scale, p.softcap);
+      }
       float* y = p.out + (first + r0) * p.out_row + h * D;
       for (int64_t c = 0; c < D; c += kNr) {
         panel::tile_rows(rows, s.logits.data(), width, s.values.data() + c, D, last, y + c, p.out_row, kNr, nullptr);
@@ -121,10 +140,11 @@ void run_task(const Problem<T>& p, int64_t chunk, int64_t kv_head, int64_t t0, S
 template <typename T>
 void run_tasks(const at::Tensor& q, at::Tensor& y, const at::Tensor& key_cache, const at::Tensor& value_cache,
                const int32_t* tables, const int32_t* spans, int64_t width, int64_t kv_heads, int64_t group, int64_t D,
-               int64_t block_size, double scale, const std::vector<int64_t>& tasks) {
+               int64_t block_size, double scale, int64_t window, double softcap,
+               const std::vector<int64_t>& tasks) {
   const Problem<T> p{q.const_data_ptr<float>(), y.data_ptr<float>(), key_cache.const_data_ptr<T>(),
                      value_cache.const_data_ptr<T>(), tables, spans, q.stride(0), y.stride(0), width, kv_heads,
-                     group, D, block_size, static_cast<float>(scale)};
+                     group, D, block_size, static_cast<float>(scale), window, static_cast<float>(softcap)};
   at::parallel_for(0, static_cast<int64_t>(tasks.size() / 3), 1, [&](int64_t begin, int64_t end) {
     Scratch s;
     for (int64_t t = begin; t < end; ++t) run_task(p, tasks[3 * t], tasks[3 * t + 1], tasks[3 * t + 2], s);
@@ -139,9 +159,11 @@ bool prefill_attention_available() { return PAGED_SERVE_LINEAR_PANELS == 1; }
 
 void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& spans,
-                       double scale) {
+                       double scale, int64_t window, double softcap) {
   constexpr const char* op = "prefill_attention";
   PS_CHECK(prefill_attention_available(), op, ": this build has no AVX2/FMA kernel (built for a CPU without them)");
+  PS_CHECK(window >= 0 && softcap >= 0.0 && std::isfinite(softcap), op,
+           ": window must be >= 0 and softcap finite and >= 0 (0: none), got ", window, " and ", softcap);
   const at::ScalarType dtype = query.scalar_type();
   PS_CHECK(query.device().is_cpu() && query.dim() == 3 && (dtype == at::kFloat || dtype == at::kBFloat16) &&
                query.stride(2) == 1,
@@ -194,7 +216,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
   at::Tensor y = wide ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
   const auto run = [&](auto element) {
     run_tasks<decltype(element)>(q, y, key_cache, value_cache, tables, sp, width, kv_heads, heads / kv_heads, D,
-                                 block_size, scale, tasks);
+                                 block_size, scale, window, softcap, tasks);
   };
   if (wide) {
     run(float{});

@@ -64,9 +64,11 @@ class CompiledDecoderStack:
     intermediate_size: int
     scale: float
     eps: float
-    # The narrowest sliding window of the layers (None: none has one): a step whose every
-    # context fits in it attends as without the window, which the stack computes.
+    # The narrowest sliding window of the layers (None: none has one). When every layer has it
+    # (`shared_window`: Mistral's) the kernels compute it; otherwise only a step whose every
+    # context fits in it runs, as it attends as without the window.
     window: int | None = None
+    shared_window: bool = False
 
     @classmethod
     def build(cls, model: LlamaModel) -> CompiledDecoderStack:
@@ -85,16 +87,18 @@ class CompiledDecoderStack:
         attn = first.self_attn
         windows = [layer.self_attn.attn.sliding_window for layer in model.layers]
         window = min((w for w in windows if w is not None), default=None)
+        shared = window is not None and all(w == window for w in windows)
         return cls(tuple(w.detach() for w in weights), tuple(b.detach() for b in biases),
                    tuple(n.detach() for n in qk_norms), model.norm.weight.detach(),
                    attn.rotary.cos, attn.rotary.sin, attn.num_heads, attn.num_kv_heads,
-                   first.mlp.gate_up_proj.out_sizes[0], attn.attn.scale, first.input_layernorm.eps, window)
+                   first.mlp.gate_up_proj.out_sizes[0], attn.attn.scale, first.input_layernorm.eps, window, shared)
 
     def applies(self, meta: AttentionMetadata, kv_caches) -> bool:
         """Whether this step's metadata is the CPU backend's (its prompt chunks for the one-call
         prefill kernel), its caches are of a dtype the kernels take, and no context in it
-        outgrows a layer's sliding window."""
-        if self.window is not None and (meta.max_context_len is None or meta.max_context_len > self.window):
+        outgrows a layer's sliding window unless all layers share it (the kernels compute it)."""
+        if self.window is not None and not self.shared_window and (
+                meta.max_context_len is None or meta.max_context_len > self.window):
             return False
         return (meta.num_prefill_tokens == 0 or meta.prefill_spans is not None) \
             and kv_caches[0][0].dtype in _DTYPES
@@ -107,7 +111,7 @@ class CompiledDecoderStack:
             [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping, meta.prefill_tables,
             meta.prefill_spans, meta.num_prefill_tokens, meta.decode_block_tables, meta.decode_context_lens,
             meta.max_decode_context_len, self.num_heads, self.num_kv_heads, self.intermediate_size, self.scale,
-            self.eps, rows)
+            self.eps, rows, self.window if self.shared_window else 0)
 
 
 def why_not(model: nn.Module, device: torch.device, tp_size: int) -> str | None:
