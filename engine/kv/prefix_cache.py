@@ -72,6 +72,8 @@ class PrefixCache:
             return
         chain = self.chain(seq, kv, salt, n)
         for i in range(kv.num_registered_blocks, min(n, len(table))):
+            if table[i] < 0:  # RELEASED (engine/core/table_rows.py): out of a window, given back
+                continue
             block = self.pool.blocks[table[i]]
             if block.hash is None:
                 self.pool.set_hash(block, chain[i], self.block_tokens(seq, i))
