@@ -22,6 +22,7 @@ from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.core.step import SampleResult, SchedulerOutput, StepInput
 from engine.kv import kv_view
 from engine.kv.block_manager import BlockManager
+from engine.kv.kv_layout import KvLayout, kv_layout
 from engine.loop.engine_args import EngineArgs
 from engine.loop.output_processor import OutputProcessor
 from engine.loop.request_checks import check_fits
@@ -38,6 +39,7 @@ from engine.sample.structured_output import (
 )
 from engine.sched.scheduler import Scheduler
 from engine.worker.executor import create_executor
+from engine.worker.models.registry import layer_windows
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,8 @@ class LLMEngine:
             cc.block_size,
             enable_prefix_caching=cc.enable_prefix_caching,
             reserve_tokens=mc.max_model_len if cc.kv_allocation == "reserve" else None,
+            windows=block_windows(kv_layout(layer_windows(mc.hf_config, mc.num_layers),
+                                            cc.free_window_blocks and cc.kv_allocation == "paged")),
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.sampler = Sampler()
@@ -400,3 +404,12 @@ def _step_work(sched: SchedulerOutput) -> tuple[int, int, int]:
             decodes += 1
         context += s.context_tokens
     return decodes, prefill, context
+
+
+def block_windows(layout: KvLayout) -> tuple[int | None, ...]:
+    """The layer groups' windows the block manager keeps tables for: the layout's when it has
+    one group (no window: today's tables; one window on every layer, Mistral: blocks out of it
+    given back). NOTE: a hybrid layout (Gemma 2/3) needs the KV tensors in groups of layers
+    (engine/worker/cache_engine.py) and a table per group in the attention metadata, which are
+    not wired yet: it keeps every layer's blocks in one group, as before."""
+    return layout.windows if len(layout.groups) == 1 else (None,)

@@ -175,6 +175,7 @@ class TorchPagedBackend(AttentionBackend):
             else:
                 table = span.block_table if span.block_table is not None else meta.prefill_tables[i]
                 b = first_block(span.num_cached, window, bs)
+                _check_live(table[b])
                 ks, vs = ops.gather_cached_kv(key_cache, value_cache, table[b:],
                                               span.num_cached + span.end - span.start - b * bs)
                 k_start = b * bs
@@ -184,8 +185,19 @@ class TorchPagedBackend(AttentionBackend):
             return
         for j, ctx in enumerate(meta.decode_context_lens.tolist()):
             b = first_block(ctx - 1, window, bs)
+            _check_live(meta.decode_block_tables[j, b])
             ks, vs = ops.gather_cached_kv(key_cache, value_cache, meta.decode_block_tables[j, b:], ctx - b * bs)
             out[P + j:P + j + 1] = attend(q[P + j:P + j + 1], ks, vs, ctx - 1, b * bs, scale, window, cap)
+
+
+def _check_live(entry: torch.Tensor) -> None:
+    """Assert that the first table entry a windowed read starts at holds a block: the block
+    manager gives back (RELEASED, -1) exactly the blocks before `first_block`, so a negative one
+    here means the layer's window and the KV layout's disagree (engine/kv/kv_layout.py)."""
+    # NOTE: one entry per sequence and layer: blocks after it are live too (the released ones
+    # are a prefix of the table), and the compiled kernels, which read from block 0, only run
+    # for steps whose contexts fit the window (`_kernels_apply`), when nothing was given back.
+    assert int(entry) >= 0, "attention would read a KV block given back (out of the window)"
 
 
 def _kernels_apply(layer, meta: AttentionMetadata) -> bool:
