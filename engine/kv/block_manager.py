@@ -22,8 +22,10 @@ group, all of the same length, over the one device pool; `tables`, `cpu_tables` 
 group 0's (the only group of a model without hybrid windows: today's layout). A windowed group's
 blocks that no future query can see (before `first_live_block`) are given back as soon as the
 sequence's computed tokens pass them, their entries set to `RELEASED`; copy-on-write, forks and
-swaps skip those entries. Prefix caching serves one-group layouts only (windowed or not): a hit
-takes the chain from block 0 and gives the blocks out of the window back at once.
+swaps skip those entries. Prefix caching: group 0's hit takes its chain from block 0 (a windowed
+group 0 gives the blocks out of its window back at once); every other group's blocks are hashed
+per group and a hit takes them from that group's first live block only, its earlier entries
+`RELEASED` from the start (`_group_hits`, engine/kv/prefix_cache.py).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class BlockManager(BlockSwap):
         """`reserve_tokens`: when set, each sequence gets blocks for that many tokens at admission
         (the contiguous-reservation baseline, for the KV waste study) instead of on demand.
         `windows`: each layer group's sliding window (`KvLayout.windows`; None: full attention)."""
-        assert windows and (len(windows) == 1 or not enable_prefix_caching), "prefix caching: one layer group"
+        assert windows, "at least one layer group"
         self.block_size = block_size
         self.device = BlockPool(num_device_blocks)
         self.cpu = BlockPool(num_cpu_blocks)
@@ -175,11 +177,20 @@ class BlockManager(BlockSwap):
             if idx == 0:
                 plan.hits = self.prefix.hits(group, seq, self._kv(seq))
                 # NOTE: keep at least one token to compute, so the step yields logits.
-                plan.num_reused = reused = min(len(plan.hits), (len(seq) - 1) // self.block_size)
-                live = sum(1 for b in plan.hits[:reused] if b.ref_count > 0)  # claimed, not taken
+                reused = min(len(plan.hits), (len(seq) - 1) // self.block_size)
+                if G > 1 and reused:
+                    # NOTE: siblings sharing its first blocks need every group's blocks from
+                    # their own first live block on, which is no earlier than the first one's
+                    # when it reuses no more than they share.
+                    reused = min(reused, plan.num_shared or reused)
+                    reused, plan.group_hits = self._group_hits(seq, reused)
+                plan.num_reused = reused
+                # claimed, not taken; and the other groups' entries before their windows take none
+                live = sum(1 for hits in [plan.hits[:reused], *plan.group_hits] for b in hits if b.ref_count > 0)
+                live += sum(first_live_block(reused * self.block_size, w, self.block_size) for w in self.windows[1:])
             elif plan.num_shared:
                 reused = live = plan.num_shared  # references on the first sequence's blocks
-                live *= G  # (in every group; only one-group layouts have prefix hits)
+                live *= G  # (in every group)
             else:
                 # NOTE: the first sequence's allocation may evict what this one would find now,
                 # so count no hits: an upper bound on its blocks and tokens.
@@ -192,6 +203,24 @@ class BlockManager(BlockSwap):
         elif plan.num_free_needed + reserve > self.device.num_free - self.watermark_blocks:
             plan.status = AllocStatus.LATER
         return plan
+
+    def _group_hits(self, seq: Sequence, reused: int) -> tuple[int, list[list[Block]]]:
+        """The most blocks m <= `reused` (group 0's hits) for which every other layer group has
+        its blocks from its first live block to m cached, and those blocks (groups 1..)."""
+        kv, bs, m = self.kv[seq.seq_id], self.block_size, reused
+        while m > 0:
+            found = []
+            for k in range(1, self.num_groups):
+                blocks, missing = self.prefix.group_blocks(seq, kv, k, first_live_block(m * bs, self.windows[k], bs), m)
+                if missing >= 0:
+                    # NOTE: a smaller m whose range holds `missing` fails too, and a range's first
+                    # block only moves down as m does: the next candidate is m = missing.
+                    m = missing
+                    break
+                found.append(blocks)
+            else:
+                return m, found
+        return 0, []
 
     def can_allocate(self, group: SequenceGroup, seqs: list[Sequence] | None = None, reserve: int = 0) -> AllocStatus:
         return self.plan(group, seqs, reserve).status
@@ -229,7 +258,7 @@ class BlockManager(BlockSwap):
             if idx == 0:
                 first = tables
             if register:
-                self.prefix.publish(seq, kv, table, group.params.cache_salt, len(seq) // bs)
+                self.prefix.publish(seq, kv, tables, group.params.cache_salt, len(seq) // bs)
         if self.windowed:
             # NOTE: after every table is made: a sibling takes references on the first
             # sequence's shared blocks, which may lie before the first one's window.
@@ -248,7 +277,14 @@ class BlockManager(BlockSwap):
             # writes all K/V of the step before attending, so the others can read them.
             table = first[k][: plan.num_shared]
             for i in table:
-                pool.ref(pool.blocks[i])
+                if i != RELEASED:  # (the first one's prefix-cache hit skips blocks out of a window)
+                    pool.ref(pool.blocks[i])
+        elif idx == 0 and k > 0 and plan.group_hits:
+            lo = first_live_block(plan.num_reused * self.block_size, self.windows[k], self.block_size)
+            for b in plan.group_hits[k - 1]:
+                assert b.hash is not None, "a planned hit was evicted"
+                pool.ref(b)
+            table = new_table([RELEASED] * lo + [b.block_id for b in plan.group_hits[k - 1]])
         elif idx == 0 and k == 0 and self.prefix.cacheable_blocks(group, seq):
             self.prefix_queries += len(seq)
             for b in plan.hits:
@@ -285,7 +321,7 @@ class BlockManager(BlockSwap):
         kv.waits_for = None
         n = kv.num_computed_tokens // self.block_size
         if self.enable_prefix_caching and n > kv.num_registered_blocks:  # NOTE: per step, for every sequence
-            self.prefix.publish(seq, kv, self.tables[seq.seq_id], salt, n)
+            self.prefix.publish(seq, kv, self._tables_of(seq.seq_id), salt, n)
         if self.windowed:  # NOTE: after publishing: a block given back keeps its hash, cached
             self._release_out_of_window(seq.seq_id, kv)
 
@@ -294,7 +330,7 @@ class BlockManager(BlockSwap):
         request's cache salt)."""
         # NOTE: one call per step with the loop's lookups hoisted: it runs for every running
         # sequence every step, where a call per sequence cost ~1.5 us of host time each.
-        kvs, tables, bs, caching = self.kv, self.tables, self.block_size, self.enable_prefix_caching
+        kvs, bs, caching = self.kv, self.block_size, self.enable_prefix_caching
         windowed = bool(self.windowed)
         for s in scheduled:
             seq = s.seq
@@ -304,7 +340,7 @@ class BlockManager(BlockSwap):
             if caching:
                 n = kv.num_computed_tokens // bs
                 if n > kv.num_registered_blocks:
-                    self.prefix.publish(seq, kv, tables[seq.seq_id], s.group.params.cache_salt, n)
+                    self.prefix.publish(seq, kv, self._tables_of(seq.seq_id), s.group.params.cache_salt, n)
             if windowed:
                 self._release_out_of_window(seq.seq_id, kv)
 
@@ -399,6 +435,10 @@ class BlockManager(BlockSwap):
                 for i in reversed(self._pop_table(tables, seq.seq_id)):
                     if i != RELEASED:
                         pool.release(pool.blocks[i])
+
+    def _tables_of(self, seq_id: int) -> list[BlockTable]:
+        """The sequence's device table in each layer group."""
+        return [tables[seq_id] for tables in self.group_tables]
 
     def _put_table(self, tables: dict[int, BlockTable], seq_id: int, table: BlockTable) -> None:
         tables[seq_id] = table

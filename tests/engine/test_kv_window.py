@@ -121,3 +121,38 @@ def test_prefix_hits_on_a_windowed_group_give_back_what_is_out_of_the_window():
     for g in (a, b):
         bm.free(g.seqs[0])
     assert bm.all_free()
+
+
+def test_hybrid_prefix_hits_take_each_group_from_its_window_and_shorten_on_a_miss():
+    bs, windows = 4, (None, 8)
+    bm = BlockManager(60, 0, bs, enable_prefix_caching=True, windows=windows)
+    a = make_group(40, "a")
+    admit(bm, a)  # computes 40 tokens: group 1 keeps blocks 8, 9
+    bm.free(a.seqs[0])  # every block cached (evictable), each group's under its own hash
+    b = make_group(40, "b")
+    bm.allocate(b)
+    seq = b.seqs[0]
+    assert bm.num_computed_tokens(seq) == 36  # 9 blocks: group 0's 0..8, group 1's 7..8 (its window)
+    full, windowed = bm.block_table(seq, 0), bm.block_table(seq, 1)
+    assert list(windowed[:7]) == [RELEASED] * 7 and len(full) == len(windowed) == 10
+    for k, table in ((0, full), (1, windowed)):
+        for i in range(first_live_block(36, windows[k], bs), 9):  # the hits hold these tokens
+            assert bm.device.blocks[table[i]].token_ids == tuple(seq.prompt_token_ids[i * bs:(i + 1) * bs])
+    assert not set(full[:9]) & set(windowed[7:9])  # the same tokens, other layers: other blocks
+    bm.check_integrity()
+    bm.free(seq)
+    # group 1's block 8 evicted: a hit of 9 blocks lacks it, so the hit shortens to 8 blocks
+    # (group 1's 6..7 were given back by a at 40 tokens but are still cached)
+    evicted = next(blk for blk in bm.device.blocks if blk.block_id == windowed[8])
+    bm.device.cached.move_to_end(evicted.block_id, last=False)
+    held = [bm.device.allocate() for _ in range(len(bm.device.free) + 1)]  # the free list, then that block
+    assert evicted.hash is None
+    c = make_group(40, "c")
+    bm.allocate(c)
+    assert bm.num_computed_tokens(c.seqs[0]) == 32
+    assert list(bm.block_table(c.seqs[0], 1)[:first_live_block(32, 8, bs)]) == [RELEASED] * 6
+    for blk in held:
+        bm.device.release(blk)
+    bm.check_integrity()
+    bm.free(c.seqs[0])
+    assert bm.all_free()

@@ -255,8 +255,7 @@ def worlds(draw) -> World:
                         best_of=draw(st.integers(2 if beam else 1, min(seqs, 6 if beam else 12))), beam=beam,
                         prefix=draw(st.integers(0, p)), prompt_logprobs=not beam and draw(st.booleans())))
     cap = draw(st.one_of(st.none(), st.tuples(st.floats(0.5, 20.0), st.one_of(st.none(), st.integers(1, 40)))))
-    prefix = draw(st.booleans()) and G == 1  # (prefix caching: one-group layouts)
-    return World(gpu, draw(st.integers(0, 48)), bs, max_len, seqs, budget, chunked, prefix,
+    return World(gpu, draw(st.integers(0, 48)), bs, max_len, seqs, budget, chunked, draw(st.booleans()),
                  draw(st.sampled_from(["swap", "recompute"])), draw(st.integers(0, 3)), tuple(reqs),
                  draw(st.integers(0, 2**16)), cap, draw(st.sampled_from(["fcfs", "shortest-prompt"])), windows)
 
