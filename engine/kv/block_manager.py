@@ -85,6 +85,13 @@ class BlockManager(BlockSwap):
         it; a windowed group's entries before its first live block are `RELEASED`)."""
         return self.group_tables[group][seq.seq_id]
 
+    def group_block_tables(self, seq: Sequence) -> tuple[BlockTable, ...]:
+        """The sequence's device tables of layer groups 1.. (live arrays, as `block_table`); ()
+        with one group."""
+        if len(self.group_tables) == 1:  # NOTE: the common case, for every scheduled sequence
+            return ()
+        return tuple(tables[seq.seq_id] for tables in self.group_tables[1:])
+
     def num_computed_tokens(self, seq: Sequence) -> int:
         """The sequence's leading tokens whose K/V are in the cache (0 if it holds no blocks)."""
         kv = self.kv.get(seq.seq_id)

@@ -22,7 +22,6 @@ from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.core.step import SampleResult, SchedulerOutput, StepInput
 from engine.kv import kv_view
 from engine.kv.block_manager import BlockManager
-from engine.kv.kv_layout import KvLayout, kv_layout
 from engine.loop.engine_args import EngineArgs
 from engine.loop.output_processor import OutputProcessor
 from engine.loop.request_checks import check_fits
@@ -39,7 +38,7 @@ from engine.sample.structured_output import (
 )
 from engine.sched.scheduler import Scheduler
 from engine.worker.executor import create_executor
-from engine.worker.models.registry import layer_windows
+from engine.worker.cache_engine import kv_layout_for
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +57,14 @@ class LLMEngine:
         # NOTE: build or load the compiled ops now, not on the first request (the first build
         # takes ~10-40 s); the backend in use is logged.
         ops.backend()
+        layout = kv_layout_for(mc, cc)  # (the executor's runners lay their pools out the same)
+        if len(layout.groups) > 1 and config.tensor_parallel_size > 1:
+            raise ValueError("tensor parallelism with sliding-window KV layer groups (a hybrid model) is not "
+                             "supported yet: pass --no-free-window-blocks")
         self.executor = create_executor(config)  # the model, on this process or on N (tensor parallel)
         num_device, num_cpu = self.executor.num_blocks()
-        max_len_blocks = -(-mc.max_model_len // cc.block_size)
+        # NOTE: a sequence holds a table in each KV layer group: max_model_len takes that many
+        max_len_blocks = len(layout.groups) * -(-mc.max_model_len // cc.block_size)
         if num_device < max_len_blocks:
             raise ValueError(
                 f"the KV cache holds {num_device * cc.block_size} tokens ({num_device} blocks), fewer than "
@@ -73,8 +77,7 @@ class LLMEngine:
             cc.block_size,
             enable_prefix_caching=cc.enable_prefix_caching,
             reserve_tokens=mc.max_model_len if cc.kv_allocation == "reserve" else None,
-            windows=block_windows(kv_layout(layer_windows(mc.hf_config, mc.num_layers),
-                                            cc.free_window_blocks and cc.kv_allocation == "paged")),
+            windows=layout.windows,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.sampler = Sampler()
@@ -405,11 +408,3 @@ def _step_work(sched: SchedulerOutput) -> tuple[int, int, int]:
         context += s.context_tokens
     return decodes, prefill, context
 
-
-def block_windows(layout: KvLayout) -> tuple[int | None, ...]:
-    """The layer groups' windows the block manager keeps tables for: the layout's when it has
-    one group (no window: today's tables; one window on every layer, Mistral: blocks out of it
-    given back). NOTE: a hybrid layout (Gemma 2/3) needs the KV tensors in groups of layers
-    (engine/worker/cache_engine.py) and a table per group in the attention metadata, which are
-    not wired yet: it keeps every layer's blocks in one group, as before."""
-    return layout.windows if len(layout.groups) == 1 else (None,)

@@ -212,8 +212,8 @@ class StepPlan:
                 if beams:
                     n = min(n, uncomputed - 1)
                 if 0 < n <= self.tokens and self._caught_up(seq):
-                    self._add(ScheduledSeq(seq, group, n, True, bm.block_table(seq), samples=n == uncomputed,
-                                           start=len(seq) - uncomputed))
+                    self._add(ScheduledSeq(seq, group, n, True, bm.block_table(seq), bm.group_block_tables(seq),
+                                           samples=n == uncomputed, start=len(seq) - uncomputed))
 
     def schedule_chunks(self, running: list[SequenceGroup], oldest: SequenceGroup | None,
                         defer_over: int | None = None) -> list[SequenceGroup]:
@@ -243,7 +243,9 @@ class StepPlan:
         cow = self.take_slot(seq)
         if cow is not None:
             self.out.blocks_to_copy.extend(cow)
-        self._add(ScheduledSeq(seq, group, n, False, self.block_manager.block_table(seq), start=len(seq) - n), cow)
+        bm = self.block_manager
+        self._add(ScheduledSeq(seq, group, n, False, bm.block_table(seq), bm.group_block_tables(seq),
+                               start=len(seq) - n), cow)
 
     def prefill_budget(self, group: SequenceGroup, oldest: bool = False) -> int:
         """The tokens a chunkable prefill of `group` may take now: what is left of the budget,

@@ -56,6 +56,9 @@ class AttentionMetadata:
     prefill_tables: torch.Tensor | None = None
     # The longest context (cached + new tokens) of any sequence in this step; None: unknown.
     max_context_len: int | None = None
+    # With KV layer groups (engine/kv/kv_layout.py): each group's metadata, this one first (the
+    # same tokens over that group's block tables); a layer reads `groups[layer.kv_group]`.
+    groups: list[AttentionMetadata] | None = None
 
 
 class AttentionBackend(ABC):
@@ -77,6 +80,15 @@ class AttentionBackend(ABC):
 
 class TorchPagedBackend(AttentionBackend):
     def build_metadata(self, seqs: list[SeqInput], table_rows: TableRows | None = None) -> AttentionMetadata:
+        meta = self._build(seqs, table_rows, 0)
+        num_groups = 1 + len(seqs[0].group_tables) if seqs else 1
+        if num_groups > 1:
+            # NOTE: the other groups' decode tables are copied (their rows are not mirrored)
+            meta.groups = [meta] + [self._build(seqs, None, k) for k in range(1, num_groups)]
+        return meta
+
+    def _build(self, seqs: list[SeqInput], table_rows: TableRows | None, group: int) -> AttentionMetadata:
+        """The metadata over KV layer group `group`'s tables (`SeqInput.block_table` for 0)."""
         bs, dev = self.block_size, self.device
         slots = array("q")
         prefills: list[PrefillSpan] = []
@@ -90,7 +102,7 @@ class TorchPagedBackend(AttentionBackend):
         prefill_tables: list = []
         row = longest = 0
         for s in seqs:
-            table, start = s.block_table, s.start
+            table, start = (s.block_table if group == 0 else s.group_tables[group - 1]), s.start
             n = len(s.token_ids)
             if n == 1:
                 p = start

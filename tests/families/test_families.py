@@ -77,14 +77,16 @@ def test_alone_batched_chunked_and_from_the_prefix_cache(family):
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_under_preemption(family, mode):
     # 32 blocks of 4 tokens; the prompts twice over need 2 x (5+9+14+21) blocks at their ends.
-    # NOTE: Mistral's window (24 tokens) gives back all but 7 blocks of a sequence
-    # (engine/kv/kv_layout.py), so it needs a pool of one max_model_len (84) to be preempted.
-    windowed = family[0] == "mistral_swa"
-    llm = make_llm(family, num_gpu_blocks_override=21 if windowed else 32, preemption_mode=mode, swap_space=0.01,
-                   enable_prefix_caching=False, **({"max_model_len": 84} if windowed else {}))
+    # NOTE: windowed layers give back all but a few blocks of a sequence (engine/kv/kv_layout.py),
+    # so these take a pool of one max_model_len (84 tokens: 21 blocks) per KV layer group, Mistral
+    # one group of 3 layers, the Gemmas 3 of 1 (a full layer between two windowed ones).
+    groups = {"mistral_swa": (24,), "gemma2": (None, 16, 16), "gemma3": (None, 24, 24)}.get(family[0], (None,))
+    windowed = groups != (None,)
+    llm = make_llm(family, num_gpu_blocks_override=21 * len(groups) if windowed else 32, preemption_mode=mode,
+                   swap_space=0.01, enable_prefix_caching=False, **({"max_model_len": 84} if windowed else {}))
     outs = llm.generate(family[2] * 2, greedy())
     assert llm.engine.scheduler.num_preemptions[mode] > 0
-    assert llm.engine.block_manager.windows == ((24,) if windowed else (None,))  # (hybrids: one group yet)
+    assert llm.engine.block_manager.windows == groups
     check(llm, family, outs, times=2)
 
 
