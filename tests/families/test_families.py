@@ -109,3 +109,12 @@ def test_the_compiled_stack_gives_the_python_layers_floats(family):
     while engine.has_unfinished_requests():
         engine.step()
     assert any(p and d for p, d, _, _ in seen) and any(cached for *_, cached in seen)  # prompts beside decodes
+
+
+def test_tensor_parallelism_refuses_a_hybrid_layout_in_one_line(family):
+    """Only the KV layer group 0's table changes reach tensor-parallel workers: a hybrid model
+    (several groups) with --tensor-parallel-size > 1 stops at start-up, before any worker."""
+    if family[0] not in ("gemma2", "gemma3"):
+        pytest.skip("one KV layer group")
+    with pytest.raises(ValueError, match="tensor parallelism with sliding-window KV layer groups"):
+        make_llm(family, tensor_parallel_size=2)
