@@ -35,6 +35,7 @@ from engine.core.table_rows import RELEASED, BlockTable, TableRows, new_table
 from engine.kv.admission_plan import AdmissionPlan, AllocStatus
 from engine.kv.block_pool import Block, BlockPool
 from engine.kv.block_swap import BlockSwap
+from engine.kv.layer_groups import LayerGroups
 from engine.kv.kv_invariants import check_invariants
 from engine.kv.kv_layout import first_live_block
 from engine.kv.kv_usage import KvUsage
@@ -43,7 +44,7 @@ from engine.kv.seq_kv import SeqKv
 
 __all__ = ["AdmissionPlan", "AllocStatus", "Block", "BlockManager", "BlockPool", "BlockTable", "KvUsage", "new_table"]
 
-class BlockManager(BlockSwap):
+class BlockManager(BlockSwap, LayerGroups):
     def __init__(self, num_device_blocks: int, num_cpu_blocks: int, block_size: int,
                  enable_prefix_caching: bool = False, reserve_tokens: int | None = None, watermark_blocks: int = 0,
                  windows: tuple[int | None, ...] = (None,)):
@@ -85,13 +86,6 @@ class BlockManager(BlockSwap):
         it; a windowed group's entries before its first live block are `RELEASED`)."""
         return self.group_tables[group][seq.seq_id]
 
-    def group_block_tables(self, seq: Sequence) -> tuple[BlockTable, ...]:
-        """The sequence's device tables of layer groups 1.. (live arrays, as `block_table`); ()
-        with one group."""
-        if len(self.group_tables) == 1:  # NOTE: the common case, for every scheduled sequence
-            return ()
-        return tuple(tables[seq.seq_id] for tables in self.group_tables[1:])
-
     def num_computed_tokens(self, seq: Sequence) -> int:
         """The sequence's leading tokens whose K/V are in the cache (0 if it holds no blocks)."""
         kv = self.kv.get(seq.seq_id)
@@ -125,17 +119,6 @@ class BlockManager(BlockSwap):
                 table = tables[seq.seq_id]
                 return name, list(table), [pool.blocks[i].ref_count if i >= 0 else 0 for i in table]
         return None, [], []
-
-    def num_table_entries(self) -> int:
-        """Live entries of all device tables: the blocks they would take unshared (O(sequences))."""
-        if not self.windowed:
-            return sum(len(t) for tables in self.group_tables for t in tables.values())
-        return sum(len(t) - t.count(RELEASED) for tables in self.group_tables for t in tables.values())
-
-    def num_live_blocks(self, seq: Sequence) -> int:
-        """Device blocks (table entries not `RELEASED`) the sequence holds over all its groups."""
-        return sum(len(t[seq.seq_id]) - t[seq.seq_id].count(RELEASED) for t in self.group_tables
-                   if seq.seq_id in t)
 
     def num_slots(self, seq: Sequence) -> int:
         """Token slots of the sequence's device blocks (0 if it has none there)."""
@@ -211,24 +194,6 @@ class BlockManager(BlockSwap):
             plan.status = AllocStatus.LATER
         return plan
 
-    def _group_hits(self, seq: Sequence, reused: int) -> tuple[int, list[list[Block]]]:
-        """The most blocks m <= `reused` (group 0's hits) for which every other layer group has
-        its blocks from its first live block to m cached, and those blocks (groups 1..)."""
-        kv, bs, m = self.kv[seq.seq_id], self.block_size, reused
-        while m > 0:
-            found = []
-            for k in range(1, self.num_groups):
-                blocks, missing = self.prefix.group_blocks(seq, kv, k, first_live_block(m * bs, self.windows[k], bs), m)
-                if missing >= 0:
-                    # NOTE: a smaller m whose range holds `missing` fails too, and a range's first
-                    # block only moves down as m does: the next candidate is m = missing.
-                    m = missing
-                    break
-                found.append(blocks)
-            else:
-                return m, found
-        return 0, []
-
     def can_allocate(self, group: SequenceGroup, seqs: list[Sequence] | None = None, reserve: int = 0) -> AllocStatus:
         return self.plan(group, seqs, reserve).status
 
@@ -271,52 +236,6 @@ class BlockManager(BlockSwap):
             # sequence's shared blocks, which may lie before the first one's window.
             for seq in plan.seqs:
                 self._release_out_of_window(seq.seq_id, self.kv[seq.seq_id])
-
-    def _admission_table(self, group: SequenceGroup, plan: AdmissionPlan, idx: int, k: int,
-                         first: list[BlockTable]) -> BlockTable:
-        """The leading entries of the `idx`-th planned sequence's group-`k` table at admission:
-        the first sequence's shared prompt blocks, its prefix-cache hits (group 0 of a one-group
-        layout), or none. References taken."""
-        pool, seq = self.device, plan.seqs[idx]
-        table = new_table()
-        if idx > 0 and plan.num_shared:
-            # NOTE: the first sequence computes these blocks in this same step; every layer
-            # writes all K/V of the step before attending, so the others can read them.
-            table = first[k][: plan.num_shared]
-            for i in table:
-                if i != RELEASED:  # (the first one's prefix-cache hit skips blocks out of a window)
-                    pool.ref(pool.blocks[i])
-        elif idx == 0 and k > 0 and plan.group_hits:
-            lo = first_live_block(plan.num_reused * self.block_size, self.windows[k], self.block_size)
-            for b in plan.group_hits[k - 1]:
-                assert b.hash is not None, "a planned hit was evicted"
-                pool.ref(b)
-            table = new_table([RELEASED] * lo + [b.block_id for b in plan.group_hits[k - 1]])
-        elif idx == 0 and k == 0 and self.prefix.cacheable_blocks(group, seq):
-            self.prefix_queries += len(seq)
-            for b in plan.hits:
-                assert b.hash is not None, "a planned hit was evicted"
-                pool.ref(b)
-            table = new_table(b.block_id for b in plan.hits[: plan.num_reused])
-            for b in plan.hits[plan.num_reused:]:  # all of it cached: the last block is recomputed
-                pool.release(b)  # (if unreferenced, it is cached again, most recent)
-            self.prefix_hits += len(table) * self.block_size
-        return table
-
-    def _release_out_of_window(self, seq_id: int, kv: SeqKv) -> None:
-        """Give back the device blocks of the sequence's windowed groups that no future query
-        sees (`first_live_block` of its computed tokens), back to front until an entry given
-        back before: O(blocks given back). A block with a prefix-cache hash stays cached."""
-        pool, bs, n = self.device, self.block_size, kv.num_computed_tokens
-        for k in self.windowed:
-            tables = self.group_tables[k]
-            table, rows = tables[seq_id], self._rows_of[id(tables)]
-            i = first_live_block(n, self.windows[k], bs) - 1
-            while i >= 0 and table[i] != RELEASED:
-                pool.release(pool.blocks[table[i]])
-                table[i] = RELEASED
-                rows.set(seq_id, i, RELEASED)
-                i -= 1
 
     def mark_computed(self, seq: Sequence, num_tokens: int, salt: str | None) -> None:
         """A step computed the sequence's next `num_tokens` tokens: advance `num_computed_tokens`
@@ -442,10 +361,6 @@ class BlockManager(BlockSwap):
                 for i in reversed(self._pop_table(tables, seq.seq_id)):
                     if i != RELEASED:
                         pool.release(pool.blocks[i])
-
-    def _tables_of(self, seq_id: int) -> list[BlockTable]:
-        """The sequence's device table in each layer group."""
-        return [tables[seq_id] for tables in self.group_tables]
 
     def _put_table(self, tables: dict[int, BlockTable], seq_id: int, table: BlockTable) -> None:
         tables[seq_id] = table
