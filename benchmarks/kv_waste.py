@@ -24,6 +24,11 @@ throughput and latency from the requests' metrics.
 
 (`--output-fraction 0.75`: each sequence generates 75% of its length, a decode-heavy run;
 the default is 8 output tokens each.) docs/why_paging.md has the measured results.
+
+Part (c), `window`: sliding-window layers' blocks given back vs every layer's kept, on a
+Gemma-3-shaped model at 8k context (benchmarks/kv_waste_window.py; docs/using.md, Models):
+
+    python -m benchmarks.kv_waste window --layers 26 --window 512 --context 8192 --pool-gib 2
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from benchmarks.kv_waste_engine import (
     ENGINE_MAX_MODEL_LEN, ENGINE_MAX_TOKENS, ENGINE_NUM_REQUESTS, ENGINE_RESERVE_SEQS, engine_workload,
     format_engine_table, plot_engine, run_engine_comparison,
 )
+from benchmarks.kv_waste_window import WindowShape, format_window_table, run_window_comparison
 from benchmarks.workload import sample_lengths
 
 NUM_SEQUENCES = 1000
@@ -198,6 +204,17 @@ def cmd_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_window(args: argparse.Namespace) -> int:
+    shape = WindowShape(args.layers, args.window, args.pattern, args.kv_heads, args.head_size, args.dtype_bytes)
+    report = run_window_comparison(shape, args.context, int(args.pool_gib * 2**30), args.block_size,
+                                   args.num_requests, args.decode, args.budget)
+    print(format_window_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
@@ -232,6 +249,22 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--json", metavar="PATH")
     eng.add_argument("--plot", metavar="PATH")
     eng.set_defaults(func=cmd_engine)
+    win = sub.add_parser("window", help="part (c): sliding-window blocks given back vs kept (Gemma-3 shape)")
+    default = WindowShape()
+    win.add_argument("--layers", type=int, default=default.layers)
+    win.add_argument("--window", type=int, default=default.window)
+    win.add_argument("--pattern", type=int, default=default.pattern, help="one full layer in this many")
+    win.add_argument("--kv-heads", type=int, default=default.kv_heads)
+    win.add_argument("--head-size", type=int, default=default.head_size)
+    win.add_argument("--dtype-bytes", type=int, default=default.dtype_bytes)
+    win.add_argument("--context", type=int, default=8192)
+    win.add_argument("--pool-gib", type=float, default=2.0, help="KV pool bytes, the same for both modes")
+    win.add_argument("--block-size", type=int, default=BLOCK_SIZE)
+    win.add_argument("--num-requests", type=int, default=64, help="the scheduler run's requests")
+    win.add_argument("--decode", type=int, default=1024, help="their output tokens (prompt: context - decode)")
+    win.add_argument("--budget", type=int, default=2048, help="the scheduler run's max_num_batched_tokens")
+    win.add_argument("--json", metavar="PATH")
+    win.set_defaults(func=cmd_window)
     return parser
 
 

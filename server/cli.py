@@ -26,7 +26,7 @@ API_KEY_ENV = "PAGED_SERVE_API_KEY"
 ENGINE_FLAGS = (
     "model", "served_model_name", "tokenizer", "dtype", "quantization", "linear_kernel", "fused_ops", "device", "load_format", "max_model_len",
     "block_size", "kv_cache_memory", "gpu_memory_utilization", "swap_space", "num_gpu_blocks_override",
-    "enable_prefix_caching", "kv_allocation", "max_num_seqs", "max_num_batched_tokens", "preemption_mode",
+    "enable_prefix_caching", "kv_allocation", "free_window_blocks", "max_num_seqs", "max_num_batched_tokens", "preemption_mode",
     "max_preemptions_per_request", "enable_chunked_prefill", "target_itl_ms", "target_ttft_ms", "scheduling_policy", "seed", "tensor_parallel_size",
     "pipeline_parallel_size", "pipeline_micro_batches",
 )
@@ -177,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--num-gpu-blocks-override", type=int, default=None, help=argparse.SUPPRESS)
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     eng.add_argument("--kv-allocation", default="paged", choices=["paged", "reserve"])
+    eng.add_argument("--free-window-blocks", action=argparse.BooleanOptionalAction, default=True,
+                     help="give back the KV blocks that fall out of a sliding window (default on)")
     eng.add_argument("--max-num-seqs", type=int, default=64)
     eng.add_argument("--max-num-batched-tokens", type=int, default=None)
     eng.add_argument("--preemption-mode", default="swap", choices=["swap", "recompute"])

@@ -13,6 +13,8 @@
 //     ErrorCode) and the bindings raise the error at the next call.
 #pragma once
 
+#include <algorithm>
+
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
@@ -106,8 +108,10 @@ inline void check_lens_on_host(const at::Tensor& context_lens, int64_t max_conte
 
 // Every context_len in [0, max_context_len] (so within its table row) and every block id it
 // uses in [0, num_blocks). Host memory only.
+// With a sliding `window` (> 0), only the blocks from the one holding position len - window on
+// are checked: the block manager gives back (-1) the blocks before it, which the kernel never reads.
 inline void check_tables_on_host(const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_blocks,
-                                 int64_t block_size, int64_t max_context_len) {
+                                 int64_t block_size, int64_t max_context_len, int64_t window = 0) {
   TORCH_INTERNAL_ASSERT(block_tables.device().is_cpu() && context_lens.device().is_cpu());
   const int64_t width = block_tables.size(1);
   check_lens_on_host(context_lens, max_context_len, width);
@@ -116,7 +120,8 @@ inline void check_tables_on_host(const at::Tensor& block_tables, const at::Tenso
   const int* len = lens.const_data_ptr<int>();
   for (int64_t seq = 0; seq < lens.numel(); ++seq) {
     const int64_t blocks = (len[seq] + block_size - 1) / block_size;
-    for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len[seq] - window) / block_size : 0;
+    for (int64_t b = first; b < blocks; ++b) {
       const int id = table[seq * width + b];
       PS_CHECK(id >= 0 && id < num_blocks, "paged_attention: sequence ", seq, ": block id ", id,
                " out of range [0, ", num_blocks, ")");

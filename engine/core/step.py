@@ -31,6 +31,8 @@ class ScheduledSeq:
     # Physical block ids: the block manager's live table (not a copy), valid until the block
     # manager changes again (the step has run).
     block_table: BlockTable = field(default_factory=new_table)
+    # The tables of KV layer groups 1.. (engine/kv/kv_layout.py), live arrays too; () with one group.
+    group_tables: tuple[BlockTable, ...] = ()
     # False for a prefill chunk that stops short of the sequence's last token: its logits row is
     # ignored and no token is appended (chunked prefill); True otherwise.
     samples: bool = True
@@ -97,6 +99,8 @@ class SeqInput:
     # token_ids, which the last row scores too (-1: none).
     score_next: int = -1
     seq_id: int = -1  # the sequence's id: its table's key in a worker's persistent batch
+    # KV layer groups 1..'s tables (engine/kv/kv_layout.py), as `block_table`; () with one group
+    group_tables: tuple = ()
 
     @property
     def score_targets(self) -> list[int]:
@@ -139,7 +143,7 @@ class StepInput:
             # before the block manager changes again (pickled for tensor-parallel workers).
             row = -1 if s.is_prefill else row_of.get(seq.seq_id, -1)
             seqs.append(SeqInput(ids, start, s.block_table, s.is_prefill, k, row,
-                                 prompt_logprobs[i] if scored else -1, seq.seq_id))
+                                 prompt_logprobs[i] if scored else -1, seq.seq_id, s.group_tables))
         return cls(seqs, list(out.blocks_to_swap_in), list(out.blocks_to_swap_out), list(out.blocks_to_copy),
                    PROMPT_LOGPROB_CHUNK_ROWS, out.table_rows, out.table_changes)
 

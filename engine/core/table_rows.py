@@ -23,6 +23,11 @@ from array import array
 # block for a list (~45 ns a block: 1.5 ms a step at 256 sequences of 2,048 tokens).
 BlockTable = array
 
+# A table entry whose block was given back to the pool: it fell out of the sliding window of
+# every query still to come (engine/kv/kv_layout.py, first_live_block). Never read: the attention
+# reads a windowed table from its first live block on (engine/worker/window_attention.first_block).
+RELEASED = -1
+
 
 def new_table(ids=()) -> BlockTable:
     """A block table (int32 block ids) holding `ids`."""

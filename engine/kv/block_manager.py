@@ -15,58 +15,57 @@ Prefix caching: engine/kv/prefix_cache.py, over each sequence's chain of full-bl
 
 The device tables are mirrored in `rows` (engine/core/table_rows.py), the matrix the attention
 metadata selects the decodes' tables from: tables enter and leave through `_put_table` and
-`_pop_table`, and their entries change only in `append_slot`.
+`_pop_table`, and their entries change only in `append_slot` and `_release_out_of_window`.
+
+Layer groups (engine/kv/kv_layout.py, `windows`: one per group): a sequence has one table per
+group, all of the same length, over the one device pool; `tables`, `cpu_tables` and `rows` are
+group 0's (the only group of a model without hybrid windows: today's layout). A windowed group's
+blocks that no future query can see (before `first_live_block`) are given back as soon as the
+sequence's computed tokens pass them, their entries set to `RELEASED`; copy-on-write, forks and
+swaps skip those entries. Prefix caching: group 0's hit takes its chain from block 0 (a windowed
+group 0 gives the blocks out of its window back at once); every other group's blocks are hashed
+per group and a hit takes them from that group's first live block only, its earlier entries
+`RELEASED` from the start (`_group_hits`, engine/kv/prefix_cache.py).
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
-
 from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.core.table_rows import BlockTable, TableRows, new_table
+from engine.core.table_rows import RELEASED, BlockTable, TableRows, new_table
+from engine.kv.admission_plan import AdmissionPlan, AllocStatus
 from engine.kv.block_pool import Block, BlockPool
+from engine.kv.block_swap import BlockSwap
+from engine.kv.layer_groups import LayerGroups
 from engine.kv.kv_invariants import check_invariants
+from engine.kv.kv_layout import first_live_block
 from engine.kv.kv_usage import KvUsage
 from engine.kv.prefix_cache import PrefixCache
 from engine.kv.seq_kv import SeqKv
 
 __all__ = ["AdmissionPlan", "AllocStatus", "Block", "BlockManager", "BlockPool", "BlockTable", "KvUsage", "new_table"]
 
-class AllocStatus(enum.Enum):
-    OK = "ok"  # fits now
-    LATER = "later"  # fits once other sequences free blocks
-    NEVER = "never"  # larger than the whole pool
-
-
-@dataclass
-class AdmissionPlan:
-    """What admitting some of a group's waiting sequences takes, computed once by `plan` and
-    carried out by `allocate` (valid while no device block is allocated in between)."""
-
-    status: AllocStatus
-    seqs: list[Sequence]
-    hits: list[Block] = field(default_factory=list)  # the first sequence's leading cached blocks
-    num_reused: int = 0  # how many of `hits` it reuses (it computes at least its last token)
-    num_shared: int = 0  # full prompt blocks the other sequences share with the first
-    num_free_needed: int = 0  # blocks taken from the free pool (free or evictable cached)
-    num_new_tokens: int = 0  # tokens computed at admission (the uncached tails)
-
-
-class BlockManager:
+class BlockManager(BlockSwap, LayerGroups):
     def __init__(self, num_device_blocks: int, num_cpu_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = False, reserve_tokens: int | None = None, watermark_blocks: int = 0):
+                 enable_prefix_caching: bool = False, reserve_tokens: int | None = None, watermark_blocks: int = 0,
+                 windows: tuple[int | None, ...] = (None,)):
         """`reserve_tokens`: when set, each sequence gets blocks for that many tokens at admission
-        (the contiguous-reservation baseline, for the KV waste study) instead of on demand."""
+        (the contiguous-reservation baseline, for the KV waste study) instead of on demand.
+        `windows`: each layer group's sliding window (`KvLayout.windows`; None: full attention)."""
+        assert windows, "at least one layer group"
         self.block_size = block_size
         self.device = BlockPool(num_device_blocks)
         self.cpu = BlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.reserve_tokens = reserve_tokens
         self.watermark_blocks = watermark_blocks
-        self.tables: dict[int, BlockTable] = {}  # seq_id -> device block ids
-        self.cpu_tables: dict[int, BlockTable] = {}  # seq_id -> swap-pool block ids
-        self.rows = TableRows()  # `tables` as the rows of one matrix
+        self.windows = tuple(windows)
+        self.windowed = [k for k, w in enumerate(self.windows) if w is not None]  # groups that give blocks back
+        # per group: seq_id -> device block ids, seq_id -> swap-pool block ids, the device tables as rows
+        self.group_tables: list[dict[int, BlockTable]] = [{} for _ in self.windows]
+        self.group_cpu_tables: list[dict[int, BlockTable]] = [{} for _ in self.windows]
+        self.group_rows = [TableRows() for _ in self.windows]
+        self._rows_of = {id(t): r for t, r in zip(self.group_tables, self.group_rows)}
+        self.tables, self.cpu_tables, self.rows = self.group_tables[0], self.group_cpu_tables[0], self.group_rows[0]
         self.prefix = PrefixCache(self.device, block_size, enable_prefix_caching)
         self.kv: dict[int, SeqKv] = {}  # seq_id -> its record (engine/kv/seq_kv.py)
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -76,9 +75,16 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_table(self, seq: Sequence) -> BlockTable:
-        """The sequence's device block ids: the live array (do not modify it)."""
-        return self.tables[seq.seq_id]
+    @property
+    def num_groups(self) -> int:
+        """Layer groups: the tables each sequence has (a slot for its next token takes at most
+        one block in each)."""
+        return len(self.windows)
+
+    def block_table(self, seq: Sequence, group: int = 0) -> BlockTable:
+        """The sequence's device block ids in layer group `group`: the live array (do not modify
+        it; a windowed group's entries before its first live block are `RELEASED`)."""
+        return self.group_tables[group][seq.seq_id]
 
     def num_computed_tokens(self, seq: Sequence) -> int:
         """The sequence's leading tokens whose K/V are in the cache (0 if it holds no blocks)."""
@@ -97,28 +103,33 @@ class BlockManager:
             return None
         return wait[0], wait[2]
 
-    def blocks_to_hold(self, num_tokens: int) -> int:
-        """Device blocks a sequence of `num_tokens` tokens holds at admission."""
+    def _table_len(self, num_tokens: int) -> int:
+        """Entries of each of a sequence's tables at admission."""
         return self.num_blocks_for(max(num_tokens, self.reserve_tokens or 0))
 
+    def blocks_to_hold(self, num_tokens: int) -> int:
+        """Device blocks a sequence of `num_tokens` tokens holds at admission (every group's)."""
+        return self.num_groups * self._table_len(num_tokens)
+
     def describe_table(self, seq: Sequence) -> tuple[str | None, list[int], list[int]]:
-        """(pool: "device", "cpu" or None, its block ids, their ref counts): a copy, for views."""
+        """(pool: "device", "cpu" or None, its group-0 block ids, their ref counts; 0 for a
+        `RELEASED` entry): a copy, for views."""
         for name, pool, tables in (("device", self.device, self.tables), ("cpu", self.cpu, self.cpu_tables)):
             if seq.seq_id in tables:
                 table = tables[seq.seq_id]
-                return name, list(table), [pool.blocks[i].ref_count for i in table]
+                return name, list(table), [pool.blocks[i].ref_count if i >= 0 else 0 for i in table]
         return None, [], []
-
-    def num_table_entries(self) -> int:
-        """Entries of all device tables: the blocks they would take unshared (O(sequences))."""
-        return sum(len(t) for t in self.tables.values())
 
     def num_slots(self, seq: Sequence) -> int:
         """Token slots of the sequence's device blocks (0 if it has none there)."""
         return len(self.tables.get(seq.seq_id, ())) * self.block_size
 
     def take_table_changes(self) -> list[tuple]:
-        """The device tables' changes since the last call (`TableRows.take_changes`)."""
+        """Group 0's device tables' changes since the last call (`TableRows.take_changes`).
+        NOTE: the other groups' logs are dropped: no worker mirrors them yet (a hybrid layout
+        runs on one rank, engine/worker/tp_worker.py refuses it)."""
+        for rows in self.group_rows[1:]:
+            rows.take_changes()
         return self.rows.take_changes()
 
     @property
@@ -150,21 +161,31 @@ class BlockManager:
         record is made here if it has none: the chain is kept for its admission)."""
         seqs = group.seqs_with_status(SequenceStatus.WAITING) if seqs is None else seqs
         plan = AdmissionPlan(AllocStatus.OK, seqs, num_shared=self._num_shared_prompt_blocks(group, seqs))
-        num_blocks = 0
+        num_blocks, G = 0, self.num_groups
         for idx, seq in enumerate(seqs):
-            n_blocks = self.blocks_to_hold(len(seq))
+            n_blocks = self.blocks_to_hold(len(seq))  # every group's
             if idx == 0:
                 plan.hits = self.prefix.hits(group, seq, self._kv(seq))
                 # NOTE: keep at least one token to compute, so the step yields logits.
-                plan.num_reused = reused = min(len(plan.hits), (len(seq) - 1) // self.block_size)
-                live = sum(1 for b in plan.hits[:reused] if b.ref_count > 0)  # claimed, not taken
+                reused = min(len(plan.hits), (len(seq) - 1) // self.block_size)
+                if G > 1 and reused:
+                    # NOTE: siblings sharing its first blocks need every group's blocks from
+                    # their own first live block on, which is no earlier than the first one's
+                    # when it reuses no more than they share.
+                    reused = min(reused, plan.num_shared or reused)
+                    reused, plan.group_hits = self._group_hits(seq, reused)
+                plan.num_reused = reused
+                # claimed, not taken; and the other groups' entries before their windows take none
+                live = sum(1 for hits in [plan.hits[:reused], *plan.group_hits] for b in hits if b.ref_count > 0)
+                live += sum(first_live_block(reused * self.block_size, w, self.block_size) for w in self.windows[1:])
             elif plan.num_shared:
                 reused = live = plan.num_shared  # references on the first sequence's blocks
+                live *= G  # (in every group)
             else:
                 # NOTE: the first sequence's allocation may evict what this one would find now,
                 # so count no hits: an upper bound on its blocks and tokens.
                 reused = live = 0
-            num_blocks += n_blocks - (reused if idx > 0 else 0)
+            num_blocks += n_blocks - (G * reused if idx > 0 else 0)
             plan.num_free_needed += n_blocks - live
             plan.num_new_tokens += len(seq) - reused * self.block_size
         if num_blocks > self.device.num_blocks - self.watermark_blocks:
@@ -194,34 +215,27 @@ class BlockManager:
         pool, bs, first = self.device, self.block_size, []
         for idx, seq in enumerate(plan.seqs):
             assert seq.seq_id not in self.tables
-            table, kv = new_table(), self._kv(seq)
+            kv = self._kv(seq)
             kv.waits_for = None
             if idx > 0 and plan.num_shared:
                 kv.waits_for = (plan.seqs[0], self.kv[plan.seqs[0].seq_id], plan.num_shared * bs)
-            if idx > 0 and plan.num_shared:
-                # NOTE: the first sequence computes these blocks in this same step; every layer
-                # writes all K/V of the step before attending, so the others can read them.
-                table = first[: plan.num_shared]
-                for i in table:
-                    pool.ref(pool.blocks[i])
-            elif idx == 0 and self.prefix.cacheable_blocks(group, seq):
-                self.prefix_queries += len(seq)
-                for b in plan.hits:
-                    assert b.hash is not None, "a planned hit was evicted"
-                    pool.ref(b)
-                table = new_table(b.block_id for b in plan.hits[: plan.num_reused])
-                for b in plan.hits[plan.num_reused:]:  # all of it cached: the last block is recomputed
-                    pool.release(b)  # (if unreferenced, it is cached again, most recent)
-                self.prefix_hits += len(table) * bs
+            tables = [self._admission_table(group, plan, idx, k, first) for k in range(self.num_groups)]
+            table = tables[0]
             kv.num_registered_blocks = len(table)  # reused blocks are registered already
             kv.num_computed_tokens = len(table) * bs
-            while len(table) < self.blocks_to_hold(len(seq)):
-                table.append(pool.allocate().block_id)
-            self._put_table(self.tables, seq.seq_id, table)
+            for k, t in enumerate(tables):
+                while len(t) < self._table_len(len(seq)):
+                    t.append(pool.allocate().block_id)
+                self._put_table(self.group_tables[k], seq.seq_id, t)
             if idx == 0:
-                first = table
+                first = tables
             if register:
-                self.prefix.publish(seq, kv, table, group.params.cache_salt, len(seq) // bs)
+                self.prefix.publish(seq, kv, tables, group.params.cache_salt, len(seq) // bs)
+        if self.windowed:
+            # NOTE: after every table is made: a sibling takes references on the first
+            # sequence's shared blocks, which may lie before the first one's window.
+            for seq in plan.seqs:
+                self._release_out_of_window(seq.seq_id, self.kv[seq.seq_id])
 
     def mark_computed(self, seq: Sequence, num_tokens: int, salt: str | None) -> None:
         """A step computed the sequence's next `num_tokens` tokens: advance `num_computed_tokens`
@@ -233,14 +247,17 @@ class BlockManager:
         kv.waits_for = None
         n = kv.num_computed_tokens // self.block_size
         if self.enable_prefix_caching and n > kv.num_registered_blocks:  # NOTE: per step, for every sequence
-            self.prefix.publish(seq, kv, self.tables[seq.seq_id], salt, n)
+            self.prefix.publish(seq, kv, self._tables_of(seq.seq_id), salt, n)
+        if self.windowed:  # NOTE: after publishing: a block given back keeps its hash, cached
+            self._release_out_of_window(seq.seq_id, kv)
 
     def mark_all_computed(self, scheduled) -> None:
         """`mark_computed` for every ScheduledSeq of a step that ran (its `num_tokens`, its
         request's cache salt)."""
         # NOTE: one call per step with the loop's lookups hoisted: it runs for every running
         # sequence every step, where a call per sequence cost ~1.5 us of host time each.
-        kvs, tables, bs, caching = self.kv, self.tables, self.block_size, self.enable_prefix_caching
+        kvs, bs, caching = self.kv, self.block_size, self.enable_prefix_caching
+        windowed = bool(self.windowed)
         for s in scheduled:
             seq = s.seq
             kv = kvs[seq.seq_id]
@@ -249,7 +266,9 @@ class BlockManager:
             if caching:
                 n = kv.num_computed_tokens // bs
                 if n > kv.num_registered_blocks:
-                    self.prefix.publish(seq, kv, tables[seq.seq_id], s.group.params.cache_salt, n)
+                    self.prefix.publish(seq, kv, self._tables_of(seq.seq_id), s.group.params.cache_salt, n)
+            if windowed:
+                self._release_out_of_window(seq.seq_id, kv)
 
     # ---------------------------------------------------------------- decoding
     def _num_append_blocks(self, seqs: list[Sequence], tables: dict[int, BlockTable], pool: BlockPool,
@@ -275,19 +294,28 @@ class BlockManager:
 
     def num_append_blocks(self, seqs: list[Sequence]) -> int:
         """Free device blocks that giving each of `seqs` (running) a slot for its next token takes."""
-        return self._num_append_blocks(seqs, self.tables, self.device)
+        return sum(self._num_append_blocks(seqs, tables, self.device) for tables in self.group_tables)
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
         """Whether every running sequence of the group can get a slot for its next token."""
         return self.num_append_blocks(group.seqs_with_status(SequenceStatus.RUNNING)) <= self.device.num_free
 
-    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
-        """Make sure the slot of the sequence's last token exists and is private.
-        Returns a (src, dst) copy-on-write pair when a shared block had to be copied."""
-        table, pool, n = self.tables[seq.seq_id], self.device, len(seq)
+    def append_slot(self, seq: Sequence) -> tuple[tuple[int, int], ...] | None:
+        """Make sure the slot of the sequence's last token exists and is private in every group.
+        Returns the (src, dst) copy-on-write pairs (group 0's first) when shared blocks had to
+        be copied, else None."""
+        if len(self.group_tables) == 1:  # NOTE: the common case, for every decode at every step
+            pair = self._append_slot(self.tables, self.rows, seq.seq_id, len(seq))
+            return None if pair is None else (pair,)
+        pairs = [self._append_slot(t, r, seq.seq_id, len(seq)) for t, r in zip(self.group_tables, self.group_rows)]
+        pairs = tuple(p for p in pairs if p is not None)
+        return pairs or None
+
+    def _append_slot(self, tables: dict[int, BlockTable], rows: TableRows, seq_id: int, n: int) -> tuple[int, int] | None:
+        table, pool = tables[seq_id], self.device
         if len(table) * self.block_size < n:
             table.append(pool.allocate().block_id)
-            self.rows.set(seq.seq_id, len(table) - 1, table[-1])
+            rows.set(seq_id, len(table) - 1, table[-1])
             return None
         idx = (n - 1) // self.block_size  # the last token's block
         last = pool.blocks[table[idx]]
@@ -295,17 +323,20 @@ class BlockManager:
             return None
         new = pool.allocate()
         table[idx] = new.block_id
-        self.rows.set(seq.seq_id, idx, new.block_id)
+        rows.set(seq_id, idx, new.block_id)
         pool.release(last)
         return last.block_id, new.block_id
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child (same tokens so far) shares all of the parent's blocks (ref counts go up;
-        nothing is copied) and starts from its record: computed tokens, hashes."""
-        table, kv = self.tables[parent.seq_id], self.kv[parent.seq_id]
-        for i in table:
-            self.device.ref(self.device.blocks[i])
-        self._put_table(self.tables, child.seq_id, table[:])
+        """The child (same tokens so far) shares all of the parent's blocks in every group (ref
+        counts go up; nothing is copied) and starts from its record: computed tokens, hashes."""
+        kv = self.kv[parent.seq_id]
+        for tables in self.group_tables:
+            table = tables[parent.seq_id]
+            for i in table:
+                if i != RELEASED:
+                    self.device.ref(self.device.blocks[i])
+            self._put_table(tables, child.seq_id, table[:])
         self.kv[child.seq_id] = SeqKv(kv.num_computed_tokens, list(kv.block_hashes), kv.num_registered_blocks)
 
     def free(self, seq: Sequence) -> None:
@@ -325,78 +356,33 @@ class BlockManager:
             kv.waits_for = None
 
     def _release(self, seq: Sequence) -> None:
-        for pool, tables in ((self.device, self.tables), (self.cpu, self.cpu_tables)):
-            for i in reversed(self._pop_table(tables, seq.seq_id)):
-                pool.release(pool.blocks[i])
-
-    # ---------------------------------------------------------------- swapping
-    def can_swap_out(self, group: SequenceGroup) -> bool:
-        seqs = group.seqs_with_status(SequenceStatus.RUNNING)
-        return len({i for s in seqs for i in self.tables[s.seq_id]}) <= self.cpu.num_free
-
-    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
-        """Move the group's running sequences to the swap pool; a block shared inside the group
-        is copied once and stays shared. Returns (device block, cpu block) pairs to copy."""
-        return self._move(group, SequenceStatus.RUNNING, self.tables, self.device, self.cpu_tables, self.cpu)
-
-    def _swap_in_need(self, seqs: list[Sequence], tables: dict[int, BlockTable], pool: BlockPool) -> int:
-        """Device blocks `seqs` take once swapped in and given their next slots: one per distinct
-        block of their tables, plus `_num_append_blocks` with the sharing inside the group only
-        (swapping copies a block shared with other requests)."""
-        local: dict[int, int] = {}
-        for s in seqs:
-            for i in tables[s.seq_id]:
-                local[i] = local.get(i, 0) + 1
-        return len(local) + self._num_append_blocks(seqs, tables, pool, local.__getitem__)
-
-    def can_swap_in(self, group: SequenceGroup) -> bool:
-        needed = self._swap_in_need(group.seqs_with_status(SequenceStatus.SWAPPED), self.cpu_tables, self.cpu)
-        return needed <= self.device.num_free - self.watermark_blocks
-
-    def fits_pool_after_swap(self, group: SequenceGroup) -> bool:
-        """Whether the group's running sequences, once swapped out, could come back: what they
-        would take at swap-in is at most the whole device pool. Mutates nothing."""
-        needed = self._swap_in_need(group.seqs_with_status(SequenceStatus.RUNNING), self.tables, self.device)
-        return needed <= self.device.num_blocks - self.watermark_blocks
-
-    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
-        """Inverse of swap_out. Returns (cpu block, device block) pairs to copy."""
-        return self._move(group, SequenceStatus.SWAPPED, self.cpu_tables, self.cpu, self.tables, self.device)
-
-    def _move(self, group, status, src_tables, src_pool, dst_tables, dst_pool) -> list[tuple[int, int]]:
-        mapping: dict[int, Block] = {}
-        for seq in group.seqs_with_status(status):
-            moved = new_table()
-            for i in self._pop_table(src_tables, seq.seq_id):
-                if i in mapping:
-                    dst_pool.ref(mapping[i])
-                else:
-                    mapping[i] = dst_pool.allocate()
-                moved.append(mapping[i].block_id)
-                src_pool.release(src_pool.blocks[i])
-            self._put_table(dst_tables, seq.seq_id, moved)
-            self.kv[seq.seq_id].num_registered_blocks = 0  # blocks new to the pool carry no hash yet
-        return [(src, dst.block_id) for src, dst in mapping.items()]
+        for pool, group_tables in ((self.device, self.group_tables), (self.cpu, self.group_cpu_tables)):
+            for tables in group_tables:
+                for i in reversed(self._pop_table(tables, seq.seq_id)):
+                    if i != RELEASED:
+                        pool.release(pool.blocks[i])
 
     def _put_table(self, tables: dict[int, BlockTable], seq_id: int, table: BlockTable) -> None:
         tables[seq_id] = table
-        if tables is self.tables:
-            self.rows.assign(seq_id, table)
+        rows = self._rows_of.get(id(tables))  # a device group's (None: a swap pool's)
+        if rows is not None:
+            rows.assign(seq_id, table)
 
     def _pop_table(self, tables: dict[int, BlockTable], seq_id: int) -> BlockTable:
         """The sequence's table, taken out of `tables` (empty if it has none there)."""
         table = tables.pop(seq_id, None)
         if table is None:
             return new_table()
-        if tables is self.tables:
-            self.rows.release(seq_id, len(table))
+        rows = self._rows_of.get(id(tables))
+        if rows is not None:
+            rows.release(seq_id, len(table))
         return table
 
     # ---------------------------------------------------------------- checks and views
     def reset(self) -> None:
         """Both pools and the counters as after construction; only when no sequence holds a
         block (the engine's start-up calibration runs real requests, then forgets them)."""
-        assert not self.tables and not self.cpu_tables, "reset of a block manager with sequences"
+        assert not any(self.group_tables) and not any(self.group_cpu_tables), "reset of a block manager with sequences"
         self.device.reset()
         self.cpu.reset()
         self.kv.clear()
@@ -408,7 +394,7 @@ class BlockManager:
 
     def all_free(self) -> bool:
         """No table, no record, every block free: nothing leaked once every request is done."""
-        return (not self.tables and not self.cpu_tables and not self.kv
+        return (not any(self.group_tables) and not any(self.group_cpu_tables) and not self.kv
                 and self.device.num_free == self.device.num_blocks and self.cpu.num_free == self.cpu.num_blocks)
 
     def usage(self) -> KvUsage:

@@ -57,7 +57,7 @@ def _num_blocks(block_manager, group: SequenceGroup) -> int:
     ids: set[tuple[str, int]] = set()
     for seq in group.seqs:
         pool, table, _ = block_manager.describe_table(seq)
-        ids.update((pool, b) for b in table)
+        ids.update((pool, b) for b in table if b >= 0)  # (not RELEASED: out of a window, given back)
     return len(ids)
 
 

@@ -6,6 +6,11 @@ fills, and a cursor of the blocks it has published (`SeqKv.num_registered_blocks
 work is for the new blocks only, whatever the sequence's length. `num_hashes` counts the hashes
 computed (tests count it). The block manager owns it, with the records it reads and extends:
 nothing else calls it.
+
+Layer groups (engine/kv/kv_layout.py): each group's blocks are published under their own hash
+(`group_hash`); a hit of n blocks takes group 0's blocks [0, n) (`hits`) and every other group's
+from its first live block to n (`group_blocks`), and the block manager shortens n until all are
+cached (`BlockManager._group_hits`).
 """
 
 from __future__ import annotations
@@ -65,14 +70,36 @@ class PrefixCache:
             found.append(block)
         return found
 
-    def publish(self, seq: Sequence, kv: SeqKv, table, salt: str | None, n: int) -> None:
+    def group_blocks(self, seq: Sequence, kv: SeqKv, k: int, lo: int, m: int) -> tuple[list[Block], int]:
+        """Layer group `k`'s cached blocks for the sequence's blocks [lo, m) (its chain holds at
+        least m hashes): (the blocks, -1), or ([], the highest index missing)."""
+        found = []
+        for i in range(m - 1, lo - 1, -1):
+            block = self.pool.lookup(group_hash(kv.block_hashes[i], k), self.block_tokens(seq, i))
+            if block is None:
+                return [], i
+            found.append(block)
+        found.reverse()
+        return found, -1
+
+    def publish(self, seq: Sequence, kv: SeqKv, tables, salt: str | None, n: int) -> None:
         """Publish the hashes of the sequence's full blocks up to the n-th (those past its
-        cursor; `table`: its device block ids), so later requests can reuse them."""
+        cursor; `tables`: its device block ids in each layer group, group k's hashed with
+        `group_hash`), so later requests can reuse them."""
         if not self.enabled or n <= kv.num_registered_blocks:
             return
         chain = self.chain(seq, kv, salt, n)
-        for i in range(kv.num_registered_blocks, min(n, len(table))):
-            block = self.pool.blocks[table[i]]
-            if block.hash is None:
-                self.pool.set_hash(block, chain[i], self.block_tokens(seq, i))
+        for k, table in enumerate(tables):
+            for i in range(kv.num_registered_blocks, min(n, len(table))):
+                if table[i] < 0:  # RELEASED (engine/core/table_rows.py): out of a window, given back
+                    continue
+                block = self.pool.blocks[table[i]]
+                if block.hash is None:
+                    self.pool.set_hash(block, group_hash(chain[i], k), self.block_tokens(seq, i))
         kv.num_registered_blocks = n
+
+
+def group_hash(h: int, k: int) -> int:
+    """The hash of layer group `k`'s block whose chain hash is `h` (group 0's is `h` itself): the
+    same tokens' K/V in other layers are other blocks."""
+    return h if k == 0 else hash((h, "layer group", k))

@@ -94,6 +94,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     kv_allocation: str = "paged"
+    free_window_blocks: bool = True  # CacheConfig.free_window_blocks
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     preemption_mode: str = "swap"
@@ -212,6 +213,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             kv_allocation=self.kv_allocation,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            free_window_blocks=self.free_window_blocks,
         )
         itl_ms, ttft_ms = step_targets(self.enable_chunked_prefill, device, self.target_itl_ms, self.target_ttft_ms)
         scheduler = SchedulerConfig(

@@ -38,6 +38,7 @@ from engine.sample.structured_output import (
 )
 from engine.sched.scheduler import Scheduler
 from engine.worker.executor import create_executor
+from engine.worker.cache_engine import kv_layout_for
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,19 @@ class LLMEngine:
         # NOTE: build or load the compiled ops now, not on the first request (the first build
         # takes ~10-40 s); the backend in use is logged.
         ops.backend()
+        layout = kv_layout_for(mc, cc)  # (the executor's runners lay their pools out the same)
+        if len(layout.groups) > 1 and config.tensor_parallel_size > 1:
+            raise ValueError("tensor parallelism with sliding-window KV layer groups (a hybrid model) is not "
+                             "supported yet: pass --no-free-window-blocks")
+        if len(layout.groups) > 1 and config.pipeline_parallel_size > 1:
+            # NOTE: a stage's runner would lay out its own layers' groups, not the block manager's
+            raise ValueError("pipeline parallelism with sliding-window KV layer groups (a hybrid model) is not "
+                             "supported yet: pass --no-free-window-blocks")
         self.executor = create_executor(config)  # the model, on this process or on N (tensor parallel)
         try:
             num_device, num_cpu = self.executor.num_blocks()
-            max_len_blocks = -(-mc.max_model_len // cc.block_size)
+            # NOTE: a sequence holds a table in each KV layer group: max_model_len takes that many
+            max_len_blocks = len(layout.groups) * -(-mc.max_model_len // cc.block_size)
             if num_device < max_len_blocks:
                 raise ValueError(
                     f"the KV cache holds {num_device * cc.block_size} tokens ({num_device} blocks), fewer than "
@@ -75,6 +85,7 @@ class LLMEngine:
             cc.block_size,
             enable_prefix_caching=cc.enable_prefix_caching,
             reserve_tokens=mc.max_model_len if cc.kv_allocation == "reserve" else None,
+            windows=layout.windows,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.sampler = Sampler()
@@ -404,3 +415,4 @@ def _step_work(sched: SchedulerOutput) -> tuple[int, int, int]:
             decodes += 1
         context += s.context_tokens
     return decodes, prefill, context
+

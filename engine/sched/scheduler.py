@@ -226,9 +226,10 @@ class Scheduler:
         out.scheduled = step.prefills + step.decodes
         if out.blocks_to_copy:
             for s, cow in step.scheduled.values():
-                if cow is not None:
-                    self.events.record("cow", s.group.request_id, seq_index=s.seq.index, src=cow[0], dst=cow[1],
-                                       logical_block=s.block_table.index(cow[1]))
+                for src, dst in cow or ():
+                    if dst in s.block_table:  # (group 0's copy: the table the dashboard shows)
+                        self.events.record("cow", s.group.request_id, seq_index=s.seq.index, src=src, dst=dst,
+                                           logical_block=s.block_table.index(dst))
         out.num_batched_tokens = self.config.max_num_batched_tokens - step.tokens
         out.table_rows = self.block_manager.rows
         out.table_changes = self.block_manager.take_table_changes()
@@ -243,10 +244,10 @@ class Scheduler:
         preempted = False
         while True:
             seqs = self._running_seqs()
-            # NOTE: a sequence's next slot takes at most one free block (a new last block, or a
-            # copy of a shared one), so with a free block per sequence no count is needed.
+            # NOTE: a sequence's next slot takes at most one free block per layer group (a new
+            # last block, or a copy of a shared one), so with that many free no count is needed.
             if len(seqs) <= self.config.max_num_seqs and (
-                    len(seqs) <= bm.num_free_device_blocks
+                    len(seqs) * bm.num_groups <= bm.num_free_device_blocks
                     or bm.num_append_blocks(seqs) <= bm.num_free_device_blocks):
                 return preempted, len(seqs)
             if self._park_lowest_extra(step):
@@ -375,11 +376,11 @@ class Scheduler:
 
     def _admit(self, group: SequenceGroup, seqs: list[Sequence], step: StepPlan, spare: bool) -> bool:
         """Admit as many of the parked `seqs` as fit, leaving (`spare`) a free block per running
-        sequence; schedules their prefills. False if none fit."""
+        sequence and layer group; schedules their prefills. False if none fit."""
         bm = self.block_manager
         running = len(self._running_seqs())
         for j in range(min(len(seqs), self.config.max_num_seqs - running), 0, -1):
-            plan = bm.plan(group, seqs[:j], reserve=running + j if spare else 0)
+            plan = bm.plan(group, seqs[:j], reserve=(running + j) * bm.num_groups if spare else 0)
             if plan.status is AllocStatus.OK and step.prefill_fits(group, plan):
                 self._allocate(group, plan, schedule_later=False)
                 step.schedule_group(group, decode=True, prefill=True, only=plan.seqs)

@@ -125,7 +125,7 @@ def queued_decodes(running: Iterable[SequenceGroup], waiting: Iterable[SequenceG
 
 class StepPlan:
     def __init__(self, out: SchedulerOutput, tokens: int, block_manager: BlockManager,
-                 take_slot: Callable[[Sequence], tuple[int, int] | None], chunked: bool,
+                 take_slot: Callable[[Sequence], tuple[tuple[int, int], ...] | None], chunked: bool,
                  cap: PrefillCap | None = None) -> None:
         """`block_manager`: read only here. `take_slot(seq)`: the scheduler's, makes the slot of
         a decode's next token (a copy-on-write (src, dst) pair, or None)."""
@@ -168,8 +168,8 @@ class StepPlan:
             (self.prefills if scheduled.is_prefill else self.decodes).remove(scheduled)
             self.tokens += scheduled.num_tokens
             # NOTE: the step-time cap (prefill_left) is not given back: a step only gets shorter
-            if cow is not None:
-                self.out.blocks_to_copy.remove(cow)
+            for pair in cow or ():
+                self.out.blocks_to_copy.remove(pair)
 
     def schedule_group(self, group: SequenceGroup, *, decode: bool, prefill: bool,
                         only: Iterable[Sequence] | None = None, oldest: bool = False) -> None:
@@ -212,8 +212,8 @@ class StepPlan:
                 if beams:
                     n = min(n, uncomputed - 1)
                 if 0 < n <= self.tokens and self._caught_up(seq):
-                    self._add(ScheduledSeq(seq, group, n, True, bm.block_table(seq), samples=n == uncomputed,
-                                           start=len(seq) - uncomputed))
+                    self._add(ScheduledSeq(seq, group, n, True, bm.block_table(seq), bm.group_block_tables(seq),
+                                           samples=n == uncomputed, start=len(seq) - uncomputed))
 
     def schedule_chunks(self, running: list[SequenceGroup], oldest: SequenceGroup | None,
                         defer_over: int | None = None) -> list[SequenceGroup]:
@@ -242,8 +242,10 @@ class StepPlan:
         shared last block if need be, `take_slot`)."""
         cow = self.take_slot(seq)
         if cow is not None:
-            self.out.blocks_to_copy.append(cow)
-        self._add(ScheduledSeq(seq, group, n, False, self.block_manager.block_table(seq), start=len(seq) - n), cow)
+            self.out.blocks_to_copy.extend(cow)
+        bm = self.block_manager
+        self._add(ScheduledSeq(seq, group, n, False, bm.block_table(seq), bm.group_block_tables(seq),
+                               start=len(seq) - n), cow)
 
     def prefill_budget(self, group: SequenceGroup, oldest: bool = False) -> int:
         """The tokens a chunkable prefill of `group` may take now: what is left of the budget,
@@ -285,7 +287,7 @@ class StepPlan:
             self.prefill_left = max(fits - already, 0)
         return min(self.tokens, self.prefill_left)
 
-    def _add(self, s: ScheduledSeq, cow: tuple[int, int] | None = None) -> None:
+    def _add(self, s: ScheduledSeq, cow: tuple[tuple[int, int], ...] | None = None) -> None:
         (self.prefills if s.is_prefill else self.decodes).append(s)
         self.tokens -= s.num_tokens
         if s.is_prefill and self.prefill_left is not None:

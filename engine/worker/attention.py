@@ -27,10 +27,15 @@ class PagedAttention(nn.Module):
             raise ValueError(f"sliding_window {sliding_window} must be at least 1")
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        # the KV layer group whose block tables it reads (engine/kv/kv_layout.py; set by the
+        # model runner with the pool's layout): `meta.groups[kv_group]`
+        self.kv_group = 0
 
     def forward(self, q, k, v, meta: AttentionMetadata, kv_cache):
         """q: [T, heads * d], k/v: [T, kv_heads * d]; returns [T, heads * d]."""
         T = q.shape[0]
+        if self.kv_group:
+            meta = meta.groups[self.kv_group]
         out = meta.backend.forward(self, q.view(T, self.num_heads, self.head_size),
                                    k.view(T, self.num_kv_heads, self.head_size),
                                    v.view(T, self.num_kv_heads, self.head_size), meta, kv_cache)

@@ -58,6 +58,9 @@ class AttentionMetadata:
     prefill_tables: torch.Tensor | None = None
     # The longest context (cached + new tokens) of any sequence in this step; None: unknown.
     max_context_len: int | None = None
+    # With KV layer groups (engine/kv/kv_layout.py): each group's metadata, this one first (the
+    # same tokens over that group's block tables); a layer reads `groups[layer.kv_group]`.
+    groups: list[AttentionMetadata] | None = None
 
 
 class AttentionBackend(ABC):
@@ -79,6 +82,15 @@ class AttentionBackend(ABC):
 
 class TorchPagedBackend(AttentionBackend):
     def build_metadata(self, seqs: list[SeqInput], table_rows: TableRows | None = None) -> AttentionMetadata:
+        meta = self._build(seqs, table_rows, 0)
+        num_groups = 1 + len(seqs[0].group_tables) if seqs else 1
+        if num_groups > 1:
+            # NOTE: the other groups' decode tables are copied (their rows are not mirrored)
+            meta.groups = [meta] + [self._build(seqs, None, k) for k in range(1, num_groups)]
+        return meta
+
+    def _build(self, seqs: list[SeqInput], table_rows: TableRows | None, group: int) -> AttentionMetadata:
+        """The metadata over KV layer group `group`'s tables (`SeqInput.block_table` for 0)."""
         bs, dev = self.block_size, self.device
         slots = array("q")
         prefills: list[PrefillSpan] = []
@@ -92,7 +104,7 @@ class TorchPagedBackend(AttentionBackend):
         prefill_tables: list = []
         row = longest = 0
         for s in seqs:
-            table, start = s.block_table, s.start
+            table, start = (s.block_table if group == 0 else s.group_tables[group - 1]), s.start
             n = len(s.token_ids)
             if n == 1:
                 p = start
@@ -178,6 +190,7 @@ class TorchPagedBackend(AttentionBackend):
             else:
                 table = span.block_table if span.block_table is not None else meta.prefill_tables[i]
                 b = first_block(span.num_cached, window, bs)
+                _check_live(table[b])
                 ks, vs = ops.gather_cached_kv(key_cache, value_cache, table[b:],
                                               span.num_cached + span.end - span.start - b * bs)
                 k_start = b * bs
@@ -187,8 +200,20 @@ class TorchPagedBackend(AttentionBackend):
             return
         for j, ctx in enumerate(meta.decode_context_lens.tolist()):
             b = first_block(ctx - 1, window, bs)
+            _check_live(meta.decode_block_tables[j, b])
             ks, vs = ops.gather_cached_kv(key_cache, value_cache, meta.decode_block_tables[j, b:], ctx - b * bs)
             out[P + j:P + j + 1] = attend(q[P + j:P + j + 1], ks, vs, ctx - 1, b * bs, scale, window, cap)
+
+
+def _check_live(entry: torch.Tensor) -> None:
+    """Assert that the first table entry a windowed read starts at holds a block: the block
+    manager gives back (RELEASED, -1) exactly the blocks before `first_block`, so a negative one
+    here means the layer's window and the KV layout's disagree (engine/kv/kv_layout.py)."""
+    # NOTE: one entry per sequence and layer: blocks after it are live too (the released ones
+    # are a prefix of the table); the compiled kernels, given the window, start reading at the
+    # same position (max(0, context - W)), and without one only run when no context outgrows
+    # the window (`_window_and_cap`), when nothing was given back.
+    assert int(entry) >= 0, "attention would read a KV block given back (out of the window)"
 
 
 def _window_and_cap(layer, meta: AttentionMetadata) -> tuple[int, float]:

@@ -2,6 +2,11 @@
 
 Both are allocated once at start-up. Per layer, K and V are block-major tensors
 `[num_blocks, num_kv_heads, block_size, head_size]`, the layout `cuda_ext.ops` expects.
+
+Layer groups (engine/kv/kv_layout.py): one allocation `[2, slots, num_blocks, ...]`; layer l uses
+slot s(l) of it with its group's block ids (a block id belongs to one group's table at a time),
+so a block holds `slots` layers' K/V and copies and swaps move all its slots. Without windows to
+free, one group of all layers: `[2, num_layers, num_blocks, ...]` as before.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import torch
 
 from cuda_ext import ops
 from engine.core.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.kv.kv_layout import KvGroup, KvLayout, kv_layout
+from engine.worker.models.registry import layer_windows
 from engine.worker.pool_sizing import HEADROOM, KV_SHARE, MemoryReading, human_bytes, read_memory, size_pools
 
 logger = logging.getLogger(__name__)
@@ -22,21 +29,37 @@ logger = logging.getLogger(__name__)
 GPU_SWAP_DEFAULT = 1024**3
 
 
-def bytes_per_block(model: ModelConfig, block_size: int, tp_size: int = 1) -> int:
-    """K and V of one block across all layers (this rank's KV heads)."""
+def kv_layout_for(model: ModelConfig, cache: CacheConfig) -> KvLayout:
+    """The model's KV layer groups (engine/kv/kv_layout.py): its layers' windows given back when
+    `free_window_blocks` and blocks are paged (the reserve baseline keeps everything)."""
+    free = cache.free_window_blocks and cache.kv_allocation == "paged"
+    return kv_layout(layer_windows(model.hf_config, model.num_layers), free)
+
+
+def whole_layout(num_layers: int) -> KvLayout:
+    """One group of every layer, no window: the layout that keeps every layer's blocks."""
+    return KvLayout((KvGroup(None, tuple(range(num_layers))),), num_layers)
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, tp_size: int = 1, slots: int | None = None) -> int:
+    """K and V of one block across its `slots` layers (default: all; this rank's KV heads)."""
     elem = torch.tensor([], dtype=model.dtype).element_size()
-    return 2 * model.num_layers * (model.num_kv_heads // tp_size) * block_size * model.head_size * elem
+    slots = model.num_layers if slots is None else slots
+    return 2 * slots * (model.num_kv_heads // tp_size) * block_size * model.head_size * elem
 
 
 def num_blocks_from_budget(
     model: ModelConfig, cache: CacheConfig, device: torch.device, weights_bytes: int = 0, tp_size: int = 1,
     scheduler: SchedulerConfig | None = None, memory: MemoryReading | None = None, ranks: int | None = None,
+    layout: KvLayout | None = None,
 ) -> tuple[int, int]:
     """(device blocks, CPU swap blocks) that the memory budget allows: on a GPU the device pool
     from gpu_memory_utilization, on a CPU both pools by engine/worker/pool_sizing.py's rule unless the
     flags give them. Call it once the weights are loaded (`memory`: read now, unless given).
-    `ranks`: how many ranks share the machine's memory (default `tp_size`; pipeline stages too)."""
-    per_block = bytes_per_block(model, cache.block_size, tp_size)
+    `ranks`: how many ranks share the machine's memory (default `tp_size`; pipeline stages too).
+    `layout`: the KV layer groups (default: one group of every layer)."""
+    layout = layout or whole_layout(model.num_layers)
+    per_block = bytes_per_block(model, cache.block_size, tp_size, layout.slots)
     max_num_seqs = scheduler.max_num_seqs if scheduler is not None else 1
     swap = scheduler is None or scheduler.preemption_mode == "swap"
     memory = memory or read_memory()
@@ -59,7 +82,8 @@ def num_blocks_from_budget(
     sizes = size_pools(bytes_per_block=per_block, block_size=cache.block_size, max_model_len=model.max_model_len,
                        max_num_seqs=max_num_seqs, available=memory.available, kv_cache_memory=kv_bytes,
                        swap_space=swap_bytes, swap=swap, ranks=(ranks or tp_size) if device.type == "cpu" else 1,
-                       memory=memory.describe(), kv_from=kv_from, swap_from=swap_from)
+                       memory=memory.describe(), kv_from=kv_from, swap_from=swap_from,
+                       tables_per_seq=len(layout.groups))
     if sizes.kv_blocks < 1:
         raise ValueError("the KV cache memory budget is too small for a single block")
     logger.info("memory: weights %s, KV pool %s (%d blocks), swap pool %s (%d blocks); %s",
@@ -70,25 +94,28 @@ def num_blocks_from_budget(
 
 class CacheEngine:
     def __init__(self, model: ModelConfig, block_size: int, num_device_blocks: int, num_cpu_blocks: int,
-                 device: torch.device, tp_size: int = 1):
+                 device: torch.device, tp_size: int = 1, layout: KvLayout | None = None):
         self.block_size = block_size
         self.device = device
         shape = (model.num_kv_heads // tp_size, block_size, model.head_size)
-        L = model.num_layers
-        # One allocation per pool; per-layer K and V are contiguous views of it.
+        layout = layout or whole_layout(model.num_layers)
+        S = layout.slots
+        # One allocation per pool; per-slot K and V are contiguous views of it.
         self._maps: list[mmap.mmap] = []  # the CPU pools' memory (see _zeros)
-        self.device_kv = self._zeros((2, L, num_device_blocks) + shape, model.dtype, device)
+        self.device_kv = self._zeros((2, S, num_device_blocks) + shape, model.dtype, device)
         pin = device.type == "cuda"
-        self.cpu_kv = (torch.zeros((2, L, max(num_cpu_blocks, 0)) + shape, dtype=model.dtype, pin_memory=True) if pin
-                       else self._zeros((2, L, max(num_cpu_blocks, 0)) + shape, model.dtype, torch.device("cpu")))
-        self.kv_caches = [(self.device_kv[0, i], self.device_kv[1, i]) for i in range(L)]
-        self.cpu_caches = [(self.cpu_kv[0, i], self.cpu_kv[1, i]) for i in range(L)]
-        self.bytes_per_block = bytes_per_block(model, block_size, tp_size)
-        # NOTE: copy_blocks' pointer table (every layer's K and V) is uploaded once, here: built
+        self.cpu_kv = (torch.zeros((2, S, max(num_cpu_blocks, 0)) + shape, dtype=model.dtype, pin_memory=True) if pin
+                       else self._zeros((2, S, max(num_cpu_blocks, 0)) + shape, model.dtype, torch.device("cpu")))
+        # per slot (what copies and swaps move), then per layer (what each layer reads and writes)
+        self.slot_caches = [(self.device_kv[0, i], self.device_kv[1, i]) for i in range(S)]
+        self.cpu_caches = [(self.cpu_kv[0, i], self.cpu_kv[1, i]) for i in range(S)]
+        self.kv_caches = [self.slot_caches[layout.place(i)[1]] for i in range(model.num_layers)]
+        self.bytes_per_block = bytes_per_block(model, block_size, tp_size, S)
+        # NOTE: copy_blocks' pointer table (every slot's K and V) is uploaded once, here: built
         # per call, its blocking host-to-device copy would drain the GPU queue at every
         # copy-on-write step. The views above never move, so the table stays valid.
-        self._key_caches = [k for k, _ in self.kv_caches]
-        self._value_caches = [v for _, v in self.kv_caches]
+        self._key_caches = [k for k, _ in self.slot_caches]
+        self._value_caches = [v for _, v in self.slot_caches]
         self._copy_table = ops.copy_blocks_table(self._key_caches, self._value_caches)
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -106,10 +133,10 @@ class CacheEngine:
         return torch.frombuffer(mem, dtype=dtype).view(shape)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        self._swap(self.kv_caches, self.cpu_caches, pairs)
+        self._swap(self.slot_caches, self.cpu_caches, pairs)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        self._swap(self.cpu_caches, self.kv_caches, pairs)
+        self._swap(self.cpu_caches, self.slot_caches, pairs)
 
     def _swap(self, src_caches, dst_caches, pairs) -> None:
         if not pairs:
@@ -120,7 +147,7 @@ class CacheEngine:
             ops.swap_blocks(sv, dv, mapping)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: device block ``src`` -> ``dst`` for each pair, in every layer, queued on
+        """Copy-on-write: device block ``src`` -> ``dst`` for each pair, in every slot, queued on
         the current stream without waiting for the GPU. Raises RuntimeError (before any copy) for
         a block id outside the pool."""
         if not pairs:

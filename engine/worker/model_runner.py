@@ -28,7 +28,9 @@ from engine.core.step import SampleResult, SeqInput, StepInput, StepOutput
 from engine.sample.sampler import score_tokens
 from engine.worker import parallel
 from engine.worker.attention_backend import TorchPagedBackend
-from engine.worker.cache_engine import CacheEngine, num_blocks_from_budget
+from engine.kv.kv_layout import KvLayout
+from engine.worker.attention import PagedAttention
+from engine.worker.cache_engine import CacheEngine, kv_layout_for, num_blocks_from_budget, whole_layout
 from engine.worker.models import gguf_weights, linear_kernel
 from engine.worker.models.decoder_stack import use_compiled_stack
 from engine.worker.models.layers import (
@@ -111,6 +113,7 @@ class ModelRunner:
         )
         self.cache: CacheEngine | None = None
         self.attn_backend = TorchPagedBackend(block_size, device)
+        self.kv_layout: KvLayout = whole_layout(model_config.num_layers)  # `num_blocks` sets the model's
 
     @staticmethod
     def _dense_model(model_config: ModelConfig, device: torch.device) -> torch.nn.Module:
@@ -135,14 +138,34 @@ class ModelRunner:
 
     def num_blocks(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig | None = None) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) that this rank's memory budget allows for its KV heads
-        (the scheduler's max_num_seqs and preemption mode bound what the default pools need)."""
+        (the scheduler's max_num_seqs and preemption mode bound what the default pools need).
+        Fixes the KV layer groups (`kv_layout_for`) that `init_cache` lays the pool out in."""
+        self.kv_layout = kv_layout_for(self.config, cache_config)
         return num_blocks_from_budget(self.config, cache_config, self.device, self.weights_bytes, self.tp_size,
-                                      scheduler_config, ranks=self.tp_size * self.layout.num_stages)
+                                      scheduler_config, ranks=self.tp_size * self.layout.num_stages,
+                                      layout=self.kv_layout)
 
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> CacheEngine:
-        """Allocate this rank's KV pools (once, at start-up)."""
+        """Allocate this rank's KV pools (once, at start-up) in `kv_layout`'s groups, and tell each
+        attention layer its group (whose block table it reads)."""
+        layout = self.kv_layout
+        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        assert len(layers) == self.config.num_layers, "one PagedAttention per layer"
+        for i, attn in enumerate(layers):
+            k = layout.place(i)[0]
+            # NOTE: the block manager gives back what the group's window no longer reaches: the
+            # layer must attend within that same window (or the layout keeps everything).
+            window = layout.groups[k].window
+            assert window is None or attn.sliding_window == window, f"layer {i}: window {attn.sliding_window} != {window}"
+            attn.kv_group = k
+        if len(layout.groups) > 1:
+            # NOTE: the compiled stack reads one block table for every layer
+            use_compiled_stack(self.model, self.device, self.tp_size, False)
+            logger.info("KV layer groups: %d of %d layers (windows %s); decoder layers in Python (the compiled "
+                        "stack reads one block table for every layer)", len(layout.groups), layout.slots,
+                        layout.windows)
         self.cache = CacheEngine(
-            self.config, self.block_size, num_device_blocks, num_cpu_blocks, self.device, self.tp_size
+            self.config, self.block_size, num_device_blocks, num_cpu_blocks, self.device, self.tp_size, layout
         )
         return self.cache
 

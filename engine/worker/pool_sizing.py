@@ -84,14 +84,15 @@ class PoolSizes:
 def size_pools(*, bytes_per_block: int, block_size: int, max_model_len: int, max_num_seqs: int,
                available: int, kv_cache_memory: int | None = None, swap_space: int | None = None,
                swap: bool = True, ranks: int = 1, memory: str = "", kv_from: str = "--kv-cache-memory",
-               swap_from: str = "--swap-space") -> PoolSizes:
+               swap_from: str = "--swap-space", tables_per_seq: int = 1) -> PoolSizes:
     """The KV and swap pools' blocks by the module's rule. `available`: bytes free after the
     weights (`MemoryReading.available`); `kv_cache_memory` / `swap_space`: the flags' bytes
     (None: the rule); `swap`: whether preemption may swap; `ranks`: processes sharing this
     machine's memory, each with `bytes_per_block` of its own KV heads; `memory` describes
-    `available`, `kv_from` / `swap_from` where given sizes came from, in the reason. Raises
-    ValueError when the rule cannot give one sequence."""
-    per_seq_blocks = -(-max_model_len // block_size)
+    `available`, `kv_from` / `swap_from` where given sizes came from, in the reason;
+    `tables_per_seq`: KV layer groups, each a table of blocks per sequence (engine/kv/kv_layout.py).
+    Raises ValueError when the rule cannot give one sequence."""
+    per_seq_blocks = tables_per_seq * -(-max_model_len // block_size)
     per_seq = per_seq_blocks * bytes_per_block
     want = max_num_seqs * per_seq
     spare = max(0, available - HEADROOM) // max(ranks, 1)

@@ -57,13 +57,15 @@ class World:
     # step "takes" 1 + D/10 + P/4 ms): None, or a cap that is often down to its floor
     cap: tuple[float, float | None] | None = None
     policy: str = "fcfs"  # the scheduling policy (engine/sched/admission_order.py)
+    # each layer group's sliding window (engine/kv/kv_layout.py): windowed groups give blocks back
+    windows: tuple[int | None, ...] = (None,)
 
 
 def admissible(w: World, r: Req) -> bool:
     """The engine's admission checks (LLMEngine._validate): context, width, beams that fit."""
     if r.prompt_len + r.max_tokens > w.max_model_len or r.best_of > w.max_num_seqs:
         return False
-    blocks = -(-(r.prompt_len + r.max_tokens) // w.block_size)
+    blocks = len(w.windows) * -(-(r.prompt_len + r.max_tokens) // w.block_size)
     return not r.beam or r.best_of * blocks <= w.gpu_blocks
 
 
@@ -193,7 +195,8 @@ def run(w: World) -> int:
     cfg = SchedulerConfig(w.max_num_seqs, w.budget, w.max_model_len, w.mode, w.max_preemptions,
                           enable_chunked_prefill=w.chunked, target_itl_ms=itl,
                           target_ttft_ms=ttft * 1000.0 if ttft is not None else None, scheduling_policy=w.policy)
-    bm = BlockManager(w.gpu_blocks, w.cpu_blocks, w.block_size, enable_prefix_caching=w.prefix_caching)
+    bm = BlockManager(w.gpu_blocks, w.cpu_blocks, w.block_size, enable_prefix_caching=w.prefix_caching,
+                      windows=w.windows)
     t = 0
     sched = Scheduler(cfg, bm, clock=lambda: float(t))  # NOTE: arrival times are step numbers
     assert (sched.step_cost is not None) == (w.cap is not None and w.chunked)
@@ -234,9 +237,12 @@ def run(w: World) -> int:
 @st.composite
 def worlds(draw) -> World:
     bs = draw(st.sampled_from([1, 2, 4, 16]))
-    gpu = draw(st.integers(2, 32))
+    window = draw(st.integers(1, 40))
+    windows = draw(st.sampled_from([(None,), (None,), (window,), (None, window), (None, window, window)]))
+    G = len(windows)  # every group's table holds the whole context at admission
+    gpu = draw(st.integers(2 * G, 32 * G))
     # NOTE: a context of at least half the pool, so that a few requests fill it.
-    max_len = draw(st.integers(max(2, min(gpu * bs, 96) // 2), min(gpu * bs, 96)))
+    max_len = draw(st.integers(max(2, min(gpu // G * bs, 96) // 2), min(gpu // G * bs, 96)))
     chunked = draw(st.booleans())
     seqs = draw(st.integers(1, 12))
     budget = draw(st.integers(max(seqs, 1 if chunked else max_len), max(seqs, max_len) + 64))
@@ -251,7 +257,7 @@ def worlds(draw) -> World:
     cap = draw(st.one_of(st.none(), st.tuples(st.floats(0.5, 20.0), st.one_of(st.none(), st.integers(1, 40)))))
     return World(gpu, draw(st.integers(0, 48)), bs, max_len, seqs, budget, chunked, draw(st.booleans()),
                  draw(st.sampled_from(["swap", "recompute"])), draw(st.integers(0, 3)), tuple(reqs),
-                 draw(st.integers(0, 2**16)), cap, draw(st.sampled_from(["fcfs", "shortest-prompt"])))
+                 draw(st.integers(0, 2**16)), cap, draw(st.sampled_from(["fcfs", "shortest-prompt"])), windows)
 
 
 # The issue's reproducer: --max-model-len 1024 --kv-cache-memory 64MiB --swap-space 0.0625 on
@@ -273,9 +279,14 @@ def test_reproducer_request_outgrowing_the_pool_finishes_and_the_next_one_too(mo
                                                                  for i in range(6)), 3, (2.0, None)))
 @example(World(16, 0, 4, 48, 3, 12, True, False, "recompute", 1, (Req(0, 40, 6, 1, False, 0),) + tuple(
     Req(i % 3, 2 + i, 4, 1 + i % 2, False, 0) for i in range(1, 6)), 4, None, "shortest-prompt"))
+@example(World(24, 12, 2, 32, 4, 40, True, True, "swap", 2, tuple(Req(i, 20 + i, 10, 1 + i % 3, i == 2, 6)
+                                                                 for i in range(4)), 5, None, "fcfs", (5,)))
+@example(World(30, 20, 2, 20, 4, 24, True, False, "swap", 1, tuple(Req(i, 12 + i, 8, 1 + i % 2, i == 1, 0)
+                                                                  for i in range(4)), 6, None, "fcfs", (None, 3, 3)))
 @given(worlds())
 def test_every_admitted_request_finishes_within_the_bound(w):
     event("preempted" if run(w) else "no preemption")
+    event(f"layer groups: {len(w.windows)}, windowed: {w.windows[-1] is not None}")
 
 
 # ------------------------------------------------------------------- the real engine, tiny model

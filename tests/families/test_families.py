@@ -76,11 +76,17 @@ def test_alone_batched_chunked_and_from_the_prefix_cache(family):
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_under_preemption(family, mode):
-    # 32 blocks of 4 tokens; the prompts twice over need 2 x (5+9+14+21) blocks at their ends
-    llm = make_llm(family, num_gpu_blocks_override=32, preemption_mode=mode, swap_space=0.01,
-                   enable_prefix_caching=False)
+    # 32 blocks of 4 tokens; the prompts twice over need 2 x (5+9+14+21) blocks at their ends.
+    # NOTE: windowed layers give back all but a few blocks of a sequence (engine/kv/kv_layout.py),
+    # so these take a pool of one max_model_len (84 tokens: 21 blocks) per KV layer group, Mistral
+    # one group of 3 layers, the Gemmas 3 of 1 (a full layer between two windowed ones).
+    groups = {"mistral_swa": (24,), "gemma2": (None, 16, 16), "gemma3": (None, 24, 24)}.get(family[0], (None,))
+    windowed = groups != (None,)
+    llm = make_llm(family, num_gpu_blocks_override=21 * len(groups) if windowed else 32, preemption_mode=mode,
+                   swap_space=0.01, enable_prefix_caching=False, **({"max_model_len": 84} if windowed else {}))
     outs = llm.generate(family[2] * 2, greedy())
     assert llm.engine.scheduler.num_preemptions[mode] > 0
+    assert llm.engine.block_manager.windows == groups
     check(llm, family, outs, times=2)
 
 
@@ -103,3 +109,12 @@ def test_the_compiled_stack_gives_the_python_layers_floats(family):
     while engine.has_unfinished_requests():
         engine.step()
     assert any(p and d for p, d, _, _ in seen) and any(cached for *_, cached in seen)  # prompts beside decodes
+
+
+def test_tensor_parallelism_refuses_a_hybrid_layout_in_one_line(family):
+    """Only the KV layer group 0's table changes reach tensor-parallel workers: a hybrid model
+    (several groups) with --tensor-parallel-size > 1 stops at start-up, before any worker."""
+    if family[0] not in ("gemma2", "gemma3"):
+        pytest.skip("one KV layer group")
+    with pytest.raises(ValueError, match="tensor parallelism with sliding-window KV layer groups"):
+        make_llm(family, tensor_parallel_size=2)

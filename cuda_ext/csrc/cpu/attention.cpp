@@ -150,7 +150,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   PS_CHECK(window >= 0 && window <= INT32_MAX && softcap >= 0.0 && std::isfinite(softcap),
            "paged_attention: window must be >= 0 and softcap finite and >= 0 (0: none), got ", window, " and ",
            softcap);
-  checks::check_tables_on_host(block_tables, context_lens, key_cache.size(0), key_cache.size(2), max_context_len);
+  checks::check_tables_on_host(block_tables, context_lens, key_cache.size(0), key_cache.size(2), max_context_len,
+                               window);
   const int num_kv_heads = static_cast<int>(key_cache.size(1));
 
   const at::Tensor tables = block_tables.contiguous();

@@ -200,7 +200,10 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
              ", ", n, " tokens, ", cached, " cached) does not fit the ", tokens, " query rows");
     const int64_t used = (cached + n + block_size - 1) / block_size;
     PS_CHECK(used <= width, op, ": chunk ", c, " needs ", used, " blocks, its table has ", width);
-    for (int64_t b = 0; b < used; ++b) {
+    // NOTE: under a window the chunk's first row (position `cached`) sees keys from
+    // cached - window + 1 on; the blocks before that one may have been given back (-1)
+    const int64_t from = window > 0 ? std::max<int64_t>(0, cached - window + 1) / block_size : 0;
+    for (int64_t b = from; b < used; ++b) {
       const int32_t id = tables[c * width + b];
       PS_CHECK(id >= 0 && id < blocks, op, ": chunk ", c, " block ", b, " is ", id, ", outside [0, ", blocks, ")");
     }

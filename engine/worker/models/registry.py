@@ -15,7 +15,7 @@ from engine.worker.models.gemma import Gemma2ForCausalLM
 from engine.worker.models.gemma3 import Gemma3ForCausalLM
 from engine.worker.models.granite import GraniteForCausalLM
 from engine.worker.models.layers import rope_parameters
-from engine.worker.models.llama import LlamaForCausalLM, config_sliding_window
+from engine.worker.models.llama import LlamaForCausalLM, config_sliding_window, layer_sliding_window
 from engine.worker.models.mixtral import MixtralForCausalLM
 from engine.worker.models.olmo2 import Olmo2ForCausalLM
 from engine.worker.models.phi3 import Phi3ForCausalLM
@@ -86,6 +86,12 @@ def sliding_window(hf_config) -> int | None:
     if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
         return None
     return window
+
+
+def layer_windows(hf_config, num_layers: int) -> list[int | None]:
+    """Each layer's sliding window as its attention takes it (llama.layer_sliding_window; None:
+    the whole context): what the KV layout's groups are made of (engine/kv/kv_layout.py)."""
+    return [layer_sliding_window(hf_config, i) for i in range(num_layers)]
 
 
 def check_config(hf_config, max_model_len: int, max_model_len_asked: bool) -> int:
