@@ -207,7 +207,8 @@ def run_policy(policy: str, args: argparse.Namespace, replica_flags: list[str], 
             stack.callback(stop, proc)
         urls = [url for _, url in started]
         model = httpx.get(urls[0] + "/v1/models", timeout=30).json()["data"][0]["id"]
-        router, router_url = start_router(shlex.split(args.router_cmd) + ["launch"], policy, urls, model,
+        router, router_url = start_router(shlex.split(args.router_cmd) + ["launch"] + shlex.split(args.router_args),
+                                          policy, urls, model,
                                           workdir / f"router-{policy}.log")
         stack.callback(stop, router)
         before = [scrape(u) for u in urls]
@@ -265,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-cmd", default="sglang-router",
                    help="the sglang-router command (e.g. /opt/router-venv/bin/sglang-router)")
     p.add_argument("--policies", default=",".join(POLICIES), help="router policies to compare, in order")
+    p.add_argument("--router-args", default="",
+                   help="more flags for the router (e.g. '--balance-abs-threshold 1000' to keep cache-aware "
+                        "routing from falling back to the shortest queue)")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--replica-threads", type=int, default=1, help="OMP_NUM_THREADS of each replica")
     p.add_argument("--conversations", type=int, default=64)
