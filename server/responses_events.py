@@ -23,11 +23,10 @@ import json
 from typing import Any
 
 from server.errors import OpenAIError
-from server.responses_api import (
-    ResponsesRequest,
+from server.responses_api import ResponsesRequest, new_id
+from server.responses_output import (
     call_item,
     message_item,
-    new_id,
     output_text,
     reasoning_item,
     response_object,

@@ -25,19 +25,8 @@ from server.context import ServerContext, get_ctx
 from server.errors import OpenAIError, from_engine_error, shown
 from server.generation import StreamTracker, collect, merged, release, sorted_choices, start_requests, until_disconnect
 from server.protocol import UsageInfo
-from server.responses_api import (
-    ResponsesRequest,
-    check_unsupported,
-    history_messages,
-    new_id,
-    output_items,
-    output_messages,
-    renamed,
-    response_object,
-    status_of,
-    to_chat,
-    usage,
-)
+from server.responses_api import ResponsesRequest, check_unsupported, history_messages, new_id, renamed, to_chat
+from server.responses_output import output_items, output_messages, response_object, status_of, usage
 from server.responses_events import ResponseEvents
 from server.responses_store import StoredResponse
 from server.routes.common import require_ready

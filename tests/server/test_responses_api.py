@@ -15,7 +15,8 @@ from server.cli import parse_args
 from server.errors import OpenAIError
 from server.protocol import ChatCompletionRequest
 from server.reasoning import think_format
-from server.responses_api import ResponsesRequest, input_messages, output_items, renamed_param, to_chat
+from server.responses_api import ResponsesRequest, input_messages, renamed_param, to_chat
+from server.responses_output import output_items
 from server.responses_events import ResponseEvents
 from server.responses_store import ResponseStore, StoredResponse
 from server.tools import plan_tools
