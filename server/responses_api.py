@@ -11,8 +11,9 @@ What a request may hold (anything else that would change the answer is a 400 nam
   templates leave past thinking out);
 - `instructions` (a system message first, not carried on by `previous_response_id`),
   `max_output_tokens`, `temperature`, `top_p`, function `tools`, `tool_choice`,
-  `parallel_tool_calls`, `text.format` (text, json_object, json_schema), `stream`, `store`,
-  `previous_response_id` (its stored conversation comes first), `metadata` (stored, answered).
+  `parallel_tool_calls`, `max_tool_calls` (the first that many calls are kept), `text.format`
+  (text, json_object, json_schema), `stream`, `store`, `previous_response_id` (its stored
+  conversation comes first), `metadata` (stored, answered).
 The chat path's errors name chat fields; `renamed` turns them into this API's (`messages.3` is
 the input item it came from, `max_completion_tokens` is `max_output_tokens`, ...).
 """
@@ -79,6 +80,7 @@ class ResponsesRequest(_Body):
     previous_response_id: str | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    max_tool_calls: int | None = None
     # Refused when set (they would change the answer and are not served):
     background: bool | None = None
     conversation: Any = None
@@ -86,7 +88,6 @@ class ResponsesRequest(_Body):
     include: list[Any] | None = None
     top_logprobs: int | None = None
     truncation: str | None = None
-    max_tool_calls: int | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -112,7 +113,7 @@ def check_unsupported(req: ResponsesRequest) -> None:
         raise bad_request('truncation must be "disabled": a conversation longer than the context is a 400.',
                           param="truncation")
     if req.max_tool_calls is not None and req.max_tool_calls < 1:
-        raise bad_request("max_tool_calls must be at least 1 (each response makes at most one call).",
+        raise bad_request("max_tool_calls must be at least 1 (the calls past it are left out of the output).",
                           param="max_tool_calls")
     if req.reasoning is not None and req.reasoning.effort is not None:
         raise bad_request("reasoning.effort is not supported: a reasoning model thinks as its template lets it "

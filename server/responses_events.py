@@ -41,6 +41,8 @@ class ResponseEvents:
         self.output: list[dict] = []  # items done
         self.item: dict | None = None  # the item being streamed
         self.text = ""  # its text so far (summary, output text or arguments)
+        self.calls = 0  # function calls streamed
+        self.dropped = False  # the call being read is past max_tool_calls: its arguments are not sent
 
     def frame(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.seq, **fields}
@@ -64,12 +66,18 @@ class ResponseEvents:
         if fields.get("content"):
             frames += self._open("message")
             frames.append(self._delta("response.output_text.delta", fields["content"], content_index=0, logprobs=[]))
+        limit = self.req.max_tool_calls
         for call in fields.get("tool_calls") or []:
             if call.id is not None:  # a new call
+                self.dropped = limit is not None and self.calls >= limit
+                if self.dropped:  # NOTE: the first max_tool_calls calls are kept, as output_items keeps them
+                    continue
+                self.calls += 1
                 frames += self._close("completed")
                 self.item = call_item(new_id("fc"), call.id, call.function.name or "", "", "in_progress")
                 frames.append(self._added())
-            if call.function.arguments and self.item is not None and self.item["type"] == "function_call":
+            if (call.function.arguments and not self.dropped and self.item is not None
+                    and self.item["type"] == "function_call"):
                 frames.append(self._delta("response.function_call_arguments.delta", call.function.arguments))
         return frames
 

@@ -12,14 +12,15 @@ from server.protocol import ResponseMessage, UsageInfo
 from server.responses_api import ResponsesRequest, TextFormat, new_id
 
 
-def output_items(message: ResponseMessage, status: str = "completed") -> list[dict]:
-    """A chat answer's message as Responses output items: its reasoning, its text, its calls."""
+def output_items(message: ResponseMessage, status: str = "completed", max_calls: int | None = None) -> list[dict]:
+    """A chat answer's message as Responses output items: its reasoning, its text, its calls
+    (the first `max_calls` of them: `max_tool_calls`, as `ResponseEvents` streams them)."""
     items = []
     if message.reasoning_content is not None:
         items.append(reasoning_item(new_id("rs"), message.reasoning_content, status))
     if message.content or not (message.tool_calls or items):
         items.append(message_item(new_id("msg"), message.content or "", status))
-    for call in message.tool_calls or []:
+    for call in (message.tool_calls or [])[:max_calls]:
         items.append(call_item(new_id("fc"), call.id, call.function.name, call.function.arguments, status))
     return items
 

@@ -108,7 +108,7 @@ class _Run:
             message, finish_reason = answer(self.fmt, choice.text, choice.finish_reason)
             status, incomplete = status_of(finish_reason)
             info = UsageInfo.of(len(output.prompt_token_ids), len(choice.token_ids), output.num_cached_tokens)
-            items = output_items(message, "incomplete" if incomplete else "completed")
+            items = output_items(message, "incomplete" if incomplete else "completed", self.req.max_tool_calls)
             response = response_object(self.rid, self.req, self.model, self.created, status, items,
                                        usage_info=usage(info), incomplete=incomplete)
             await self._store(response)

@@ -204,6 +204,7 @@ BAD = [
     ({"truncation": "auto"}, "truncation"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"top_logprobs": 3}, "top_logprobs"),
+    ({"max_tool_calls": 0}, "max_tool_calls"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"metadata": {"k": "v" * 513}}, "metadata.k"),
     ({"instructions": "x" * 1_000_001}, "input"),  # --max-messages-chars counts the whole prompt

@@ -32,8 +32,9 @@ def reasoning_format(tools: bool = True) -> OutputFormat:
     return OutputFormat(plan_tools(req), think_format("qwen3"), False, "hermes")
 
 
-def streamed(text: str, fmt: OutputFormat, finish_reason: str = "stop", step: int = 3) -> list[dict]:
-    req = ResponsesRequest(model="m", input="Hi")
+def streamed(text: str, fmt: OutputFormat, finish_reason: str = "stop", step: int = 3,
+             max_tool_calls: int | None = None) -> list[dict]:
+    req = ResponsesRequest(model="m", input="Hi", max_tool_calls=max_tool_calls)
     events, stream, frames = ResponseEvents("resp_1", req, "m", 0.0), ChoiceStream(fmt), []
     frames += events.start()
     pieces = [text[i:i + step] for i in range(0, len(text), step)]
@@ -75,6 +76,25 @@ def test_reasoning_text_and_a_call_become_three_items_whole_and_streamed():
                          "response.output_item.done", "response.completed"]
         summary = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_summary_text.delta")
         assert summary == "I should look it up."
+
+
+def test_max_tool_calls_keeps_the_first_calls_whole_and_streamed():
+    fmt = reasoning_format()
+    text = "Checking." + "".join(f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n'
+                                 "</tool_call>" for city in ("Paris", "Rome", "Oslo"))
+    message, _ = answer(fmt, text, "stop")
+    assert len(message.tool_calls) == 3
+    for limit, cities in ((None, ["Paris", "Rome", "Oslo"]), (2, ["Paris", "Rome"]), (1, ["Paris"])):
+        whole = output_items(message, max_calls=limit)
+        assert [json.loads(i["arguments"])["city"] for i in whole if i["type"] == "function_call"] == cities
+        for step in (1, 7, 500):
+            events = streamed(text, fmt, step=step, max_tool_calls=limit)
+            assert without_ids(events[-1]["response"]["output"]) == without_ids(whole)
+            assert [e["sequence_number"] for e in events] == list(range(len(events)))
+            added = [e for e in events if e["type"] == "response.output_item.added"]
+            assert [e["output_index"] for e in added] == list(range(len(whole)))
+            args = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+            assert args == "".join(i["arguments"] for i in whole if i["type"] == "function_call")
 
 
 def test_a_cut_short_answer_is_incomplete_and_its_item_too():
