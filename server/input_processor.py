@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from engine.core.admission import EngineRequest
 from engine.loop.tokenizer import apply_chat_template, template_supports_tools
 from server.errors import bad_request, from_request_error
+from server.reasoning import ThinkFormat, reasoning_token_count
 from server.tools import ToolPlan, check_tool_schemas, text_messages
 
 T = TypeVar("T")
@@ -170,6 +171,19 @@ class InputProcessor:
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise bad_request(f"tokens must be token ids in [0, {self.vocab_size}).", param="tokens")
         return await self._run(lambda: tokenizer.decode(ids))
+
+    async def reasoning_tokens(self, think: ThinkFormat, opened: bool, token_ids: list[int]) -> int:
+        """How many of an output's `token_ids` are its reasoning (server/reasoning.py's
+        `reasoning_token_count`, decoding as the engine does: special tokens skipped); 0 without
+        a tokenizer (dummy weights write no text to split)."""
+        tokenizer = self.tokenizer
+        if tokenizer is None or not token_ids:
+            return 0
+
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=True)
+
+        return await self.off_loop(lambda: reasoning_token_count(think, opened, token_ids, decode))
 
     def decode_token(self, token_id: int) -> str:
         """One token's text, decoded once per token id and kept (logprobs name the same tokens

@@ -12,6 +12,7 @@ only, streamed as it comes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 PARSERS = ("qwen3", "smollm3", "deepseek_r1")
@@ -35,6 +36,30 @@ class ThinkFormat:
             return None, text
         head, sep, tail = text.partition(self.end)
         return head.strip("\n"), tail.lstrip("\n")
+
+
+def reasoning_token_count(fmt: ThinkFormat, opened: bool, token_ids: list[int],
+                          decode: Callable[[list[int]], str]) -> int:
+    """How many of a whole output's `token_ids` are its reasoning: the tokens up to and through
+    the first end-of-thinking marker, all of them if the output stops thinking first, 0 if it
+    has no reasoning part (`split`'s None). `decode`: token ids to text, as the engine decodes.
+
+    NOTE: the marker is found in the decoded prefixes (log2(n) decodes), not as token ids: in a
+    model without a special token for it (`</think>` is several tokens in most vocabularies) its
+    ids depend on the text around it."""
+    text = decode(token_ids)
+    if fmt.split(text, opened)[0] is None:
+        return 0
+    if fmt.end not in text:
+        return len(token_ids)
+    low, high = 1, len(token_ids)  # the shortest prefix whose text holds the marker
+    while low < high:
+        middle = (low + high) // 2
+        if fmt.end in decode(token_ids[:middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 def think_format(name: str) -> ThinkFormat:

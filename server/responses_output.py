@@ -57,10 +57,12 @@ def output_messages(output: list[dict]) -> list[dict]:
     return [message]
 
 
-def usage(info: UsageInfo) -> dict:
+def usage(info: UsageInfo, reasoning_tokens: int = 0) -> dict:
+    """The Responses usage of the chat path's; `reasoning_tokens`: of the output tokens, the
+    reasoning's (server/reasoning.py's `reasoning_token_count`)."""
     cached = info.prompt_tokens_details.cached_tokens if info.prompt_tokens_details else 0
     return {"input_tokens": info.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": info.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": info.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": info.total_tokens}
 
 

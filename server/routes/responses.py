@@ -109,8 +109,9 @@ class _Run:
             status, incomplete = status_of(finish_reason)
             info = UsageInfo.of(len(output.prompt_token_ids), len(choice.token_ids), output.num_cached_tokens)
             items = output_items(message, "incomplete" if incomplete else "completed", self.req.max_tool_calls)
+            reasoning = await self._reasoning_tokens(choice.token_ids) if message.reasoning_content is not None else 0
             response = response_object(self.rid, self.req, self.model, self.created, status, items,
-                                       usage_info=usage(info), incomplete=incomplete)
+                                       usage_info=usage(info, reasoning), incomplete=incomplete)
             await self._store(response)
             return JSONResponse(response)
         except (asyncio.CancelledError, OpenAIError):
@@ -125,16 +126,24 @@ class _Run:
         for frame in events.start():
             yield frame
         tracker, stream, finish_reason = StreamTracker(1), ChoiceStream(self.fmt), None
+        token_ids: list[int] = []
         async for p, output in merged(self.streams):
             for delta in tracker.deltas(p, output):
+                token_ids += delta.token_ids
                 fields, finish = stream.step(delta.text, delta.finish_reason)
                 finish_reason = finish or finish_reason
                 for frame in events.step(fields):
                     yield frame
-        frames, response = events.finish(finish_reason, usage(tracker.usage()))
+        reasoning = await self._reasoning_tokens(token_ids)
+        frames, response = events.finish(finish_reason, usage(tracker.usage(), reasoning))
         await self._store(response)
         for frame in frames:
             yield frame
+
+    async def _reasoning_tokens(self, token_ids: list[int]) -> int:
+        if self.fmt.think is None:
+            return 0
+        return await self.ctx.inputs.reasoning_tokens(self.fmt.think, self.fmt.opened, token_ids)
 
     async def _store(self, response: dict) -> None:
         if not self.req.store:

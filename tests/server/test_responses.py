@@ -274,5 +274,8 @@ def test_a_reasoning_parser_gives_reasoning_items_whole_and_streamed():
         assert [e.type for e in events if e.type.startswith("response.reasoning_summary_part")] == [
             "response.reasoning_summary_part.added", "response.reasoning_summary_part.done"]
         assert events[-1].type == f"response.{whole.status}" and events[-1].response.output[0].type == "reasoning"
+        # the thinking never closes within 8 tokens: every output token is reasoning
+        for usage in (whole.usage, events[-1].response.usage):
+            assert usage.output_tokens_details.reasoning_tokens == usage.output_tokens > 0
     finally:
         assert server.stop() == 0, server.log()[-3000:]

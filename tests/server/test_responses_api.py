@@ -14,7 +14,7 @@ from server.chat_output import ChoiceStream, OutputFormat, answer
 from server.cli import parse_args
 from server.errors import OpenAIError
 from server.protocol import ChatCompletionRequest
-from server.reasoning import think_format
+from server.reasoning import reasoning_token_count, think_format
 from server.responses_api import ResponsesRequest, input_messages, renamed_param, to_chat
 from server.responses_output import output_items
 from server.responses_events import ResponseEvents
@@ -95,6 +95,19 @@ def test_max_tool_calls_keeps_the_first_calls_whole_and_streamed():
             assert [e["output_index"] for e in added] == list(range(len(whole)))
             args = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
             assert args == "".join(i["arguments"] for i in whole if i["type"] == "function_call")
+
+
+@pytest.mark.parametrize("pieces, opened, expected", [
+    (["<th", "ink>", "\nHm", "m.</", "thi", "nk>", "\n\nFour", "."], False, 6),  # through the marker
+    (["Hm", "m.</think>", "Four"], True, 2),  # the prompt opened it
+    (["<think>", "Hmm, let"], False, 2),  # cut short while thinking: all reasoning
+    (["Four", "."], False, 0),  # no reasoning part
+    (["Four", "</think>"], False, 0),
+])
+def test_reasoning_tokens_are_counted_through_the_end_of_thinking(pieces, opened, expected):
+    ids = list(range(len(pieces)))
+    count = reasoning_token_count(think_format("qwen3"), opened, ids, lambda t: "".join(pieces[i] for i in t))
+    assert count == expected
 
 
 def test_a_cut_short_answer_is_incomplete_and_its_item_too():
