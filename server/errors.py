@@ -125,7 +125,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
         return f"Malformed JSON in the request body: {ctx.get('error', 'invalid JSON')}.", None
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # NOTE: loc starts with where the field is (body, query, path): the field is named without it
+    loc = [str(part) for part in first.get("loc", ())]
+    loc = loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc
     # NOTE: pydantic puts union member names in loc (e.g. 'str', 'list[int]'); keep the field path.
     loc = [part for part in loc if not (part.startswith(("list[", "dict[")) or part in ("str", "int", "float", "bool"))]
     param = ".".join(loc) or None

@@ -1,6 +1,7 @@
 """`ResponseStore`: the responses /v1/responses keeps (`store`, true by default) so that
 `previous_response_id` continues their conversation and `GET` / `DELETE /v1/responses/{id}`
-find them.
+find them; with each, its request's input items (`input_item_list`), which `GET
+/v1/responses/{id}/input_items` lists a page at a time (`input_items_page`).
 
 Bounded by count and by bytes (--responses-store-max-count, --responses-store-max-bytes): a put
 that goes past either evicts the oldest responses first (a record larger than the whole byte
@@ -17,7 +18,11 @@ import logging
 import sqlite3
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.responses_api import new_id
+from server.responses_output import output_text
 
 logger = logging.getLogger(__name__)
 
@@ -26,15 +31,68 @@ logger = logging.getLogger(__name__)
 class StoredResponse:
     response: dict  # the Responses object as answered (what GET returns)
     messages: list[dict]  # the whole conversation as chat messages (ChatMessage's shape), this output included
+    input_items: list[dict] = field(default_factory=list)  # this request's input (`input_item_list`)
 
     def to_json(self) -> str:
-        return json.dumps({"response": self.response, "messages": self.messages}, ensure_ascii=False,
-                          separators=(",", ":"))
+        return json.dumps({"response": self.response, "messages": self.messages, "input_items": self.input_items},
+                          ensure_ascii=False, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "StoredResponse":
         data = json.loads(text)
-        return cls(data["response"], data["messages"])
+        # NOTE: a record written before input items were kept has none
+        return cls(data["response"], data["messages"], data.get("input_items", []))
+
+
+MAX_ITEM_ID = 128  # an input item's own id longer than this is replaced
+
+
+def input_item_list(items: str | list[dict[str, Any]]) -> list[dict]:
+    """A request's `input` (already checked by server/responses_api.py's `input_messages`) as
+    OpenAI lists a stored response's input items: each with an id (its own if it sent a short
+    one), messages with their content as parts, and a status."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    listed = []
+    for item in items:
+        kind = item.get("type", "message")
+        own = item.get("id")
+        entry: dict[str, Any] = {"id": own if isinstance(own, str) and 0 < len(own) <= MAX_ITEM_ID else None,
+                                 "type": kind}
+        if kind == "message":
+            role, content = item["role"], item["content"]
+            texts = [content] if isinstance(content, str) else [part.get("text") or "" for part in content]
+            parts = ([output_text(t) for t in texts] if role == "assistant"
+                     else [{"type": "input_text", "text": t} for t in texts])
+            entry |= {"id": entry["id"] or new_id("msg"), "role": role, "content": parts, "status": "completed"}
+        elif kind == "function_call":
+            entry |= {"id": entry["id"] or new_id("fc"), "call_id": item["call_id"], "name": item["name"],
+                      "arguments": item["arguments"], "status": "completed"}
+        elif kind == "function_call_output":
+            output = item["output"]
+            if not isinstance(output, str):
+                output = "\n".join(part.get("text") or "" for part in output)
+            entry |= {"id": entry["id"] or new_id("fco"), "call_id": item["call_id"], "output": output,
+                      "status": "completed"}
+        else:  # reasoning
+            entry |= {"id": entry["id"] or new_id("rs"), "summary": item.get("summary") or []}
+        listed.append(entry)
+    return listed
+
+
+def input_items_page(items: list[dict], limit: int, order: str, after: str | None) -> dict | None:
+    """OpenAI's list object of `items` in `order` ("asc": as sent, "desc": newest first), at
+    most `limit` of them after the item with id `after`; None if no item has that id."""
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            return None
+        start = ids.index(after) + 1
+    page = ordered[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(ordered)}
 
 
 class ResponseStore:

@@ -1,4 +1,5 @@
-"""POST /v1/responses (OpenAI's Responses API), GET and DELETE /v1/responses/{id}.
+"""POST /v1/responses (OpenAI's Responses API), GET and DELETE /v1/responses/{id}, GET
+/v1/responses/{id}/input_items.
 
 A request is translated into a chat request (server/responses_api.py) and goes the chat path
 (server/chat_request.py: messages, tools, admission, structured outputs), one choice; its
@@ -22,17 +23,18 @@ from engine.loop.async_engine import RequestStream
 from server.chat_output import ChoiceStream, OutputFormat, answer
 from server.chat_request import prepare_chat
 from server.context import ServerContext, get_ctx
-from server.errors import OpenAIError, from_engine_error, shown
+from server.errors import OpenAIError, bad_request, from_engine_error, shown
 from server.generation import StreamTracker, collect, merged, release, sorted_choices, start_requests, until_disconnect
 from server.protocol import UsageInfo
 from server.responses_api import ResponsesRequest, check_unsupported, history_messages, new_id, renamed, to_chat
 from server.responses_output import output_items, output_messages, response_object, status_of, usage
 from server.responses_events import ResponseEvents
-from server.responses_store import StoredResponse
+from server.responses_store import StoredResponse, input_item_list, input_items_page
 from server.routes.common import require_ready
 from server.streaming import SSE_HEADERS, sse_body
 
 router = APIRouter()
+MIN_PAGE, MAX_PAGE = 1, 100  # input_items' limit, as OpenAI bounds it
 
 
 @router.post("/v1/responses")
@@ -71,6 +73,23 @@ async def delete_response(response_id: str, request: Request) -> Response:
     if not await asyncio.to_thread(get_ctx(request).responses.delete, response_id):
         raise _not_found(response_id, "response_id")
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, limit: int = 20, order: str = "desc",
+                           after: str | None = None) -> Response:
+    """A stored response's input items, a page at a time (OpenAI's list object)."""
+    if not MIN_PAGE <= limit <= MAX_PAGE:
+        raise bad_request(f"limit must be between {MIN_PAGE} and {MAX_PAGE}, got {limit}.", param="limit")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be 'asc' or 'desc', got '{shown(order)}'.", param="order")
+    stored = await asyncio.to_thread(get_ctx(request).responses.get, response_id)
+    if stored is None:
+        raise _not_found(response_id, "response_id")
+    page = input_items_page(stored.input_items, limit, order, after)
+    if page is None:
+        raise bad_request(f"after names no input item of this response: '{shown(after)}'.", param="after")
+    return JSONResponse(page)
 
 
 def _not_found(rid: str, param: str) -> OpenAIError:
@@ -148,5 +167,6 @@ class _Run:
     async def _store(self, response: dict) -> None:
         if not self.req.store:
             return
-        record = StoredResponse(response, self.conversation + output_messages(response["output"]))
+        record = StoredResponse(response, self.conversation + output_messages(response["output"]),
+                                input_item_list(self.req.input))
         await asyncio.to_thread(self.ctx.responses.put, self.rid, record)

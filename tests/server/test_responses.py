@@ -139,6 +139,37 @@ def test_three_stored_turns_hit_the_prefix_cache(client, model):
     assert r.usage.input_tokens > turns[2].usage.input_tokens
 
 
+def test_input_items_are_listed_a_page_at_a_time(client, model, real_server):
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "18 C"},
+             {"role": "user", "content": "And now?"}]
+    r = client.responses.create(model=model, input=items, max_output_tokens=2)
+    listed = client.responses.input_items.list(r.id, order="asc")
+    assert [i.type for i in listed.data] == ["message", "message", "function_call", "function_call_output",
+                                             "message"]
+    assert listed.data[1].content[0].text == "Hi" and listed.data[2].call_id == "c1"
+    assert listed.data[3].output == "18 C" and not listed.has_more
+    assert (listed.first_id, listed.last_id) == (listed.data[0].id, listed.data[-1].id)
+    ids = [i.id for i in listed.data]
+    assert len(set(ids)) == 5
+    newest = client.responses.input_items.list(r.id)  # desc by default
+    assert [i.id for i in newest.data] == ids[::-1]
+    page = client.responses.input_items.list(r.id, limit=2, order="asc", after=ids[0])
+    assert [i.id for i in page.data] == ids[1:3] and page.has_more
+    assert [i.id for i in client.responses.input_items.list(r.id, limit=2, order="asc")] == ids  # the SDK pages on
+    text = client.responses.create(model=model, input="Hello", max_output_tokens=2)
+    (only,) = client.responses.input_items.list(text.id).data
+    assert only.role == "user" and only.content[0].text == "Hello"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+    base = f"/v1/responses/{r.id}/input_items"
+    for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("limit=x", "limit"),
+                         ("order=up", "order"), ("after=nope", "after")):
+        assert_error(httpx.get(f"{real_server.url}{base}?{query}", timeout=30), 400, param)
+
+
 def test_store_false_keeps_nothing(client, model):
     r = client.responses.create(model=model, input="Hi", store=False, max_output_tokens=2)
     assert r.store is False

@@ -40,7 +40,8 @@ GENERATING = {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/mes
 WITH_INPUTS = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
                "GET /v1/models/{model}", "GET /kv/requests/{request_id}",
                "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses",
-               "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}"]
+               "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
+               "GET /v1/responses/{response_id}/input_items"]
 WITHOUT_INPUTS = ["GET /health", "GET /version", "GET /v1/models", "GET /metrics", "GET /kv/blocks",
                   "GET /livez", "GET /server_info", "GET /model_info", "GET /get_load"]
 # Requests per generation mode (positive and negative) and endpoint, in CI.
@@ -48,7 +49,7 @@ CI_EXAMPLES = {"POST /v1/completions": 20, "POST /v1/chat/completions": 20, "POS
                "POST /detokenize": 40, "GET /v1/models/{model}": 40,
                "GET /kv/requests/{request_id}": 20, "POST /v1/messages": 20, "POST /v1/messages/count_tokens": 20,
                "POST /v1/responses": 20, "GET /v1/responses/{response_id}": 10,
-               "DELETE /v1/responses/{response_id}": 10}
+               "DELETE /v1/responses/{response_id}": 10, "GET /v1/responses/{response_id}/input_items": 10}
 STATS: dict[str, Counter] = {}
 
 
