@@ -314,11 +314,23 @@ def renamed_param(param: str | None, origins: list[str]) -> str | None:
     return _RENAMED.get(head, head) + (f".{rest}" if rest and head not in _RENAMED else "")
 
 
+# A chat field's path in an error's text: a message's or a tool's fields, or a renamed field.
+_FIELD_PATH = re.compile(r"(?<![\w.])(messages\.\d+(?:\.\w+)*|tools\.\d+\.function(?:\.\w+)*|"
+                         r"max_completion_tokens|max_tokens|response_format)(?![\w.])")
+
+
 def renamed(error: OpenAIError, origins: list[str]) -> OpenAIError:
-    """`error` from the chat path, naming this API's field instead."""
+    """`error` from the chat path, naming this API's field instead, in `param` and in its text
+    (the same renaming: `messages.3.content` is `input.2`)."""
     param = renamed_param(error.param, origins)
-    if param != error.param:
-        message = error.message.replace("max_completion_tokens", "max_output_tokens")
+    message = _FIELD_PATH.sub(lambda m: renamed_param(m.group(1), origins), error.message)
+    if error.param is not None and param != error.param:
+        # NOTE: the param itself only where the text names it (first, or quoted): a bare
+        # "messages" is also a plain word ("at most 2048 messages")
+        if message.startswith(error.param) and not re.match(r"[\w.]", message[len(error.param):len(error.param) + 1]):
+            message = param + message[len(error.param):]
+        message = message.replace(f"'{error.param}'", f"'{param}'")
+    if (param, message) != (error.param, error.message):
         error = OpenAIError(error.status, message, type=error.type, param=param, code=error.code,
                             headers=error.headers)
     return error

@@ -7,6 +7,7 @@ and reasoning items with --reasoning-parser."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -239,6 +240,7 @@ BAD = [
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"metadata": {"k": "v" * 513}}, "metadata.k"),
     ({"instructions": "x" * 1_000_001}, "input"),  # --max-messages-chars counts the whole prompt
+    ({"input": [{"role": "user", "content": "x"}] * 2049}, "input"),  # --max-messages counts the items
     ({"model": "gpt-4o"}, "model"),
 ]
 
@@ -246,7 +248,9 @@ BAD = [
 @pytest.mark.parametrize("extra, param", BAD, ids=[p + f"-{i}" for i, (_, p) in enumerate(BAD)])
 def test_bad_requests_are_4xx_naming_the_field(real_server, model, extra, param):
     resp = post(real_server, "/v1/responses", {"model": model, "input": "Hi", "max_output_tokens": 2, **extra})
-    assert_error(resp, 404 if param == "model" else 400, param)
+    error = assert_error(resp, 404 if param == "model" else 400, param)
+    # the chat path's errors name this API's fields in their text too
+    assert not re.search(r"(^messages\b|'messages|\bmessages\.\d|max_completion_tokens)", error["message"]), error
 
 
 def test_unknown_ids_are_404s_in_openais_shape(real_server, model):

@@ -15,7 +15,7 @@ from server.cli import parse_args
 from server.errors import OpenAIError
 from server.protocol import ChatCompletionRequest
 from server.reasoning import reasoning_token_count, think_format
-from server.responses_api import ResponsesRequest, input_messages, renamed_param, to_chat
+from server.responses_api import ResponsesRequest, input_messages, renamed, renamed_param, to_chat
 from server.responses_output import output_items
 from server.responses_events import ResponseEvents
 from server.responses_store import ResponseStore, StoredResponse
@@ -156,6 +156,29 @@ def test_input_items_become_chat_messages():
     ("tools", "tools"), ("temperature", "temperature"), (None, None)])
 def test_chat_fields_are_named_as_this_api_names_them(param, expected):
     assert renamed_param(param, ["instructions", "previous_response_id", "input.0"]) == expected
+
+
+@pytest.mark.parametrize("message, param, expected_message, expected_param", [
+    ("Only text content parts are supported, got type 'image_url'.", "messages.2.content",
+     "Only text content parts are supported, got type 'image_url'.", "input.0"),
+    ("Invalid value for 'messages.2.content': bad.", "messages.2.content", "Invalid value for 'input.0': bad.",
+     "input.0"),
+    ("messages.2.tool_calls.0 names no tool; messages.0 is fine.", "messages.2.tool_calls",
+     "input.0 names no tool; instructions is fine.", "input.0"),
+    ("messages may hold at most 2048 messages, got 2049.", "messages",
+     "input may hold at most 2048 messages, got 2049.", "input"),
+    ("messages holds 9000 tokens in all, more than this server accepts.", "messages",
+     "input holds 9000 tokens in all, more than this server accepts.", "input"),
+    ("Invalid value for 'tools.1.function.parameters': not a schema.", "tools.1.function.parameters",
+     "Invalid value for 'tools.1.parameters': not a schema.", "tools.1.parameters"),
+    ("max_completion_tokens must be at most 4096, got 5000.", "max_completion_tokens",
+     "max_output_tokens must be at most 4096, got 5000.", "max_output_tokens"),
+    ("temperature must be at most 2.", "temperature", "temperature must be at most 2.", "temperature"),
+])
+def test_chat_errors_name_this_apis_field_in_their_text_too(message, param, expected_message, expected_param):
+    error = renamed(OpenAIError(400, message, param=param, code="c"),
+                    ["instructions", "previous_response_id", "input.0"])
+    assert (error.message, error.param, error.code) == (expected_message, expected_param, "c")
 
 
 def test_an_unsupported_item_is_a_400_naming_it():
