@@ -40,6 +40,7 @@ class PromptSource:
     messages: list[dict] | None = None  # chat-template messages (chat)
     plan: ToolPlan | None = None  # the chat request's tool plan (server/tools.py)
     template_kwargs: dict | None = None  # the chat request's chat_template_kwargs
+    continue_final: bool = False  # the prompt continues the final assistant message (a prefill)
     echo: bool = False  # the text of token-id prompts is wanted back
 
     @property
@@ -59,7 +60,8 @@ async def admit(ctx: ServerContext, req: CompletionRequest | ChatCompletionReque
     settings, param = ctx.settings, source.param
     if isinstance(req, ChatCompletionRequest):
         params = chat_params(req, settings, ctx.vocab_size, source.plan, ctx.generation_defaults)
-        prompts = [await ctx.inputs.chat_prompt(source.messages, source.plan, source.template_kwargs)]
+        prompts = [await ctx.inputs.chat_prompt(source.messages, source.plan, source.template_kwargs,
+                                                source.continue_final)]
     else:
         params = completion_params(req, settings, ctx.vocab_size, ctx.generation_defaults)
         texts = _check_prompts(source.prompts, settings.max_prompts_per_request)

@@ -10,14 +10,17 @@ What translates:
   blocks join into one message's content, an assistant's `tool_use` blocks become its
   `tool_calls`, each `tool_result` a tool message (`is_error`: its content prefixed "Error: ").
   An assistant's past `thinking` blocks are dropped, as Anthropic drops past turns' thinking.
+  A final assistant message (prefill: text only, no trailing whitespace) is continued: the
+  prompt ends in its text (`prefilled`; the template's continue_final_message) and the answer
+  holds only the continuation.
 - `tools` (client tools: name, description, input_schema) -> function tools; `tool_choice`
   auto / any / tool / none -> "auto" / "required" / the named function / "none".
 - `stop_sequences` -> stop; `max_tokens`, `temperature` (0-1, as Anthropic), `top_p`, `top_k`.
 - `output_config.format` ({"type": "json_schema", "schema"}) -> a json_schema response_format.
 - `thinking: {"type": "disabled"}` -> the template variable enable_thinking=false.
 Everything else is a 400 naming the field: other content block types (images, documents,
-server tools' blocks), server tools, thinking budgets, output_config.effort, a final assistant
-message (prefill), and any field this server does not know.
+server tools' blocks), server tools, thinking budgets, output_config.effort, and any field this
+server does not know.
 """
 
 from __future__ import annotations
@@ -121,10 +124,12 @@ def _check_block(block: ContentBlock, where: str, types: tuple[str, ...]) -> Non
         raise bad_request("citations are not supported.", param=f"{where}.citations")
 
 
+def prefilled(req: CountTokensRequest) -> bool:
+    """Whether `req` ends in an assistant message (a prefill): the answer continues its text."""
+    return bool(req.messages) and req.messages[-1].role == "assistant"
+
+
 def _messages(messages: list) -> list[ChatMessage]:
-    if messages[-1].role == "assistant":
-        raise bad_request("a final assistant message (prefill) is not supported: the last message must be the "
-                          "user's.", param=f"messages.{len(messages) - 1}.role")
     out: list[ChatMessage] = []
     names: dict[str, str] = {}  # tool_use id -> tool name, for the results that answer them
     for i, message in enumerate(messages):
@@ -133,9 +138,23 @@ def _messages(messages: list) -> list[ChatMessage]:
             else message.content
         if message.role == "assistant":
             out.append(_assistant(blocks, f"messages.{i}.content", names))
+            if i == len(messages) - 1:
+                _check_prefill(out[-1], f"messages.{i}.content")
         else:
             out += _user(blocks, f"messages.{i}.content", names)
     return out
+
+
+def _check_prefill(message: ChatMessage, where: str) -> None:
+    """A final assistant message is continued, so it must be text that ends where the answer goes on."""
+    if message.tool_calls:
+        raise bad_request("a final assistant message (prefill) may hold only text: a tool_use is answered by the "
+                          "user's tool_result.", param=where)
+    if not message.content:
+        raise bad_request("a final assistant message (prefill) needs text to continue.", param=where)
+    if message.content != message.content.rstrip():
+        # NOTE: as Anthropic refuses it; templates may also trim the text, which would then not end the prompt
+        raise bad_request("final assistant content cannot end with trailing whitespace.", param=where)
 
 
 def _assistant(blocks: list[ContentBlock], where: str, names: dict[str, str]) -> ChatMessage:

@@ -24,13 +24,15 @@ class PreparedChat:
     fmt: OutputFormat  # how the outputs are read: reasoning, tool calls, plain text
 
 
-async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> PreparedChat:
+async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, continue_final: bool = False) -> PreparedChat:
     """`req`'s engine requests, admitted, and its output format; raises OpenAIError (a 400
-    naming the chat field at fault: `messages.<i>...`, `tools...`, `max_completion_tokens`)."""
+    naming the chat field at fault: `messages.<i>...`, `tools...`, `max_completion_tokens`).
+    `continue_final`: the answer continues the final (assistant) message: Anthropic's prefill."""
     plan = plan_tools(req, ctx.settings)
     messages = to_template_messages(req.messages)
     admitted = await admit(ctx, req, PromptSource(messages=messages, plan=plan,
-                                                  template_kwargs=req.chat_template_kwargs))
+                                                  template_kwargs=req.chat_template_kwargs,
+                                                  continue_final=continue_final))
     think = ctx.settings.think_format
     fmt = OutputFormat(plan, think, think is not None and think.opened_by(admitted.requests[0].text or ""),
                        ctx.settings.tool_call_parser)

@@ -106,12 +106,16 @@ class InputProcessor:
         return [replace(p, grammar=g) for p, g in zip(prompts, states)]
 
     # ---------------------------------------------------------------- chat
-    def render_chat(self, messages: list[dict], plan: ToolPlan | None = None, template_kwargs: dict | None = None) -> str:
+    def render_chat(self, messages: list[dict], plan: ToolPlan | None = None, template_kwargs: dict | None = None,
+                    continue_final: bool = False) -> str:
         """The chat prompt's text (worker thread): the template's own tool rendering when it
         has one, else the tools described in the system prompt (server/tools.py).
-        `template_kwargs`: the request's chat_template_kwargs, extra variables for the template."""
+        `template_kwargs`: the request's chat_template_kwargs, extra variables for the template.
+        `continue_final`: the prompt ends in the final assistant message's text (a prefill)."""
         tokenizer = self._need_tokenizer()
         extra = self._template_kwargs(template_kwargs)
+        if continue_final:
+            extra["continue_final_message"] = True
         tools = plan.tools if plan is not None and plan.functions else None
         has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
         if tools is None and not has_tool_turns:
@@ -136,14 +140,14 @@ class InputProcessor:
                                   param="chat_template_kwargs")
         return {"template_kwargs": kwargs}
 
-    async def chat_prompt(self, messages: list[dict], plan: ToolPlan | None, template_kwargs: dict | None = None
-                          ) -> Prompt:
+    async def chat_prompt(self, messages: list[dict], plan: ToolPlan | None, template_kwargs: dict | None = None,
+                          continue_final: bool = False) -> Prompt:
         """The rendered, tokenized chat prompt (the template holds its special tokens: none are
-        added)."""
+        added); `continue_final`: see `render_chat`."""
         self._need_tokenizer()
 
         def work() -> Prompt:
-            text = self.render_chat(messages, plan, template_kwargs)
+            text = self.render_chat(messages, plan, template_kwargs, continue_final)
             return Prompt(self.tokenizer(text, add_special_tokens=False).input_ids, text)
 
         return await self._run(work)

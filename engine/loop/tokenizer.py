@@ -63,7 +63,7 @@ def template_supports_tools(tokenizer, chat_template: str | None = None) -> bool
 
 def apply_chat_template(
     tokenizer, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
-    tools: list[dict] | None = None, template_kwargs: dict | None = None,
+    tools: list[dict] | None = None, template_kwargs: dict | None = None, continue_final_message: bool = False,
 ) -> str:
     """Render OpenAI-style chat messages into one prompt string with the chat template.
 
@@ -72,6 +72,8 @@ def apply_chat_template(
     `tool_call_id`; both are passed to the template as they are, and so is `tools` (OpenAI-style
     function definitions), for templates that render them (`template_supports_tools`);
     `template_kwargs` are further variables for the template (e.g. enable_thinking).
+    `continue_final_message`: the prompt ends inside the last (assistant) message, right after
+    its text, so that the model continues it (HF's continue_final_message; no generation prompt).
     Raises ValueError (with a message fit for the user) on a bad role or content, or when
     there is no template. The result already holds the template's special tokens, so tokenize
     it without adding more (add_special_tokens=False).
@@ -84,7 +86,9 @@ def apply_chat_template(
     conversation = [_normalize_message(i, m) for i, m in enumerate(_as_list(messages))]
     try:
         prompt = tokenizer.apply_chat_template(
-            conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            conversation, chat_template=template, tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            **({"continue_final_message": True} if continue_final_message else {}),
             **({"tools": tools} if tools else {}), **(template_kwargs or {}),
         )
     except TemplateError as e:  # includes the template's own raise_exception(...)

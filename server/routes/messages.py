@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.loop.async_engine import RequestStream
-from server.anthropic_api import MessageEvents, event, message, to_chat_request
+from server.anthropic_api import MessageEvents, event, message, prefilled, to_chat_request
 from server.anthropic_errors import AnthropicRoute, error_body
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest, Usage
 from server.chat_output import OutputFormat, answer
@@ -37,7 +37,7 @@ async def create_message(req: MessagesRequest, request: Request) -> Response:
     ctx = get_ctx(request)
     require_ready(ctx)
     model = ctx.check_model(req.model)
-    prepared = await prepare_chat(ctx, to_chat_request(req, ctx.settings))
+    prepared = await prepare_chat(ctx, to_chat_request(req, ctx.settings), continue_final=prefilled(req))
     admitted, fmt = prepared.admitted, prepared.fmt
     message_id = f"msg_{uuid.uuid4().hex}"
     streams = await start_requests(ctx.engine, message_id, admitted.requests, bool(req.stream),
@@ -56,7 +56,8 @@ async def count_tokens(req: CountTokensRequest, request: Request) -> dict:
     ctx.check_model(req.model)
     chat = to_chat_request(req, ctx.settings)
     plan = plan_tools(chat, ctx.settings)
-    prompt = await ctx.inputs.chat_prompt(to_template_messages(chat.messages), plan, chat.chat_template_kwargs)
+    prompt = await ctx.inputs.chat_prompt(to_template_messages(chat.messages), plan, chat.chat_template_kwargs,
+                                          prefilled(req))
     return {"input_tokens": len(prompt.token_ids)}
 
 

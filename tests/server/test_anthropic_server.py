@@ -116,7 +116,11 @@ BAD = {  # name: (fields, the param the 400 names)
     "image-in-tool-result": ({"messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]},
         "messages.0.content.0.content.0.type"),
-    "prefill": ({"messages": ASK + [{"role": "assistant", "content": "Paris is"}]}, "messages.1.role"),
+    "prefill-trailing-space": ({"messages": ASK + [{"role": "assistant", "content": "Paris is "}]},
+                               "messages.1.content"),
+    "prefill-empty": ({"messages": ASK + [{"role": "assistant", "content": ""}]}, "messages.1.content"),
+    "prefill-tool-use": ({"messages": ASK + [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "get_weather", "input": {}}]}]}, "messages.1.content"),
     "unknown-field": ({"container": "c"}, "container"),
     "server-tool": ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
     "tool-choice-type": ({"tool_choice": {"type": "function"}}, "tool_choice.type"),
@@ -201,6 +205,26 @@ def test_create_answers_as_the_chat_route_does(claude, client, model, url):
     prompt_tokens = msg.usage.input_tokens + msg.usage.cache_read_input_tokens
     assert prompt_tokens == chat.usage.prompt_tokens
     assert claude.messages.count_tokens(model=model, messages=ASK).input_tokens == prompt_tokens
+    wait_pool_free(url)
+
+
+def test_a_prefill_is_continued_and_the_reply_is_only_the_continuation(claude, model, url):
+    """A final assistant message: the prompt ends in its text, so that greedy decoding goes on
+    as it did when the model wrote that text itself; the reply holds only what comes after it."""
+    whole = claude.messages.create(model=model, max_tokens=24, messages=ASK, extra_body=GREEDY).content[0].text
+    words = whole.split(" ")
+    assert len(words) > 4, whole
+    prefill = " ".join(words[:3]).rstrip()
+    messages = ASK + [{"role": "assistant", "content": prefill}]
+    msg = claude.messages.create(model=model, max_tokens=8, messages=messages, extra_body=GREEDY)
+    rest = msg.content[0].text
+    assert whole.startswith(prefill + rest) and rest.strip(), (whole, prefill, rest)
+    with claude.messages.stream(model=model, max_tokens=8, messages=messages, extra_body=GREEDY) as stream:
+        assert "".join(stream.text_stream) == rest
+    counted = claude.messages.count_tokens(model=model, messages=messages).input_tokens
+    assert counted == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    assert counted < claude.messages.count_tokens(model=model, messages=messages + [
+        {"role": "user", "content": "More."}]).input_tokens
     wait_pool_free(url)
 
 
