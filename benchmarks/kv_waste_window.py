@@ -1,5 +1,5 @@
 """Part (c) of benchmarks/kv_waste.py, `window`: what giving back the blocks that fall out of a
-sliding window saves (engine/kv/kv_layout.py), on the real block manager and scheduler with no
+sliding window saves (engine/core/kv_layout.py), on the real block manager and scheduler with no
 model. A Gemma-3-shaped model (by default Gemma-3 1B's KV: 26 layers, 5 windowed layers of
 window 512 for each full one, 1 KV head of 256, bf16) at 8k context, two ways in one pool of
 fixed bytes:
@@ -25,7 +25,7 @@ from engine.core.config import SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import SequenceGroup, SequenceStatus
 from engine.kv.block_manager import AllocStatus, BlockManager
-from engine.kv.kv_layout import kv_layout
+from engine.core.kv_layout import kv_layout
 from engine.sched.scheduler import Scheduler
 
 
@@ -118,7 +118,7 @@ def measure(shape: WindowShape, free: bool, context: int, pool_bytes: int, block
             decode: int, budget: int) -> WindowResult:
     layout = kv_layout(shape.windows(), free_windows=free)
     # NOTE: a block holds K and V of `slots` layers (padding included): the KV tensor's
-    # [2, slots, blocks, kv_heads, block_size, head_size] (engine/kv/kv_layout.py)
+    # [2, slots, blocks, kv_heads, block_size, head_size] (engine/core/kv_layout.py)
     per_block = 2 * layout.slots * shape.kv_heads * block_size * shape.head_size * shape.dtype_bytes
     blocks = pool_bytes // per_block
 

@@ -74,7 +74,7 @@ class CacheConfig:
     enable_prefix_caching: bool
     kv_allocation: str  # "paged" (on demand) | "reserve" (max_model_len per sequence, baseline)
     num_gpu_blocks_override: int | None = None  # tests force a small pool
-    # give back the blocks that fall out of a sliding window (engine/kv/kv_layout.py); False: keep
+    # give back the blocks that fall out of a sliding window (engine/core/kv_layout.py); False: keep
     # every layer's blocks (the baseline of benchmarks/kv_waste.py's `window` mode)
     free_window_blocks: bool = True
 

@@ -31,7 +31,7 @@ class ScheduledSeq:
     # Physical block ids: the block manager's live table (not a copy), valid until the block
     # manager changes again (the step has run).
     block_table: BlockTable = field(default_factory=new_table)
-    # The tables of KV layer groups 1.. (engine/kv/kv_layout.py), live arrays too; () with one group.
+    # The tables of KV layer groups 1.. (engine/core/kv_layout.py), live arrays too; () with one group.
     group_tables: tuple[BlockTable, ...] = ()
     # False for a prefill chunk that stops short of the sequence's last token: its logits row is
     # ignored and no token is appended (chunked prefill); True otherwise.
@@ -99,7 +99,7 @@ class SeqInput:
     # token_ids, which the last row scores too (-1: none).
     score_next: int = -1
     seq_id: int = -1  # the sequence's id: its table's key in a worker's persistent batch
-    # KV layer groups 1..'s tables (engine/kv/kv_layout.py), as `block_table`; () with one group
+    # KV layer groups 1..'s tables (engine/core/kv_layout.py), as `block_table`; () with one group
     group_tables: tuple = ()
 
     @property

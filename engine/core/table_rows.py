@@ -24,7 +24,7 @@ from array import array
 BlockTable = array
 
 # A table entry whose block was given back to the pool: it fell out of the sliding window of
-# every query still to come (engine/kv/kv_layout.py, first_live_block). Never read: the attention
+# every query still to come (engine/core/kv_layout.py, first_live_block). Never read: the attention
 # reads a windowed table from its first live block on (engine/worker/window_attention.first_block).
 RELEASED = -1
 

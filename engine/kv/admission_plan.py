@@ -25,7 +25,7 @@ class AdmissionPlan:
     status: AllocStatus
     seqs: list[Sequence]
     hits: list[Block] = field(default_factory=list)  # the first sequence's leading cached blocks
-    # layer groups 1.. (engine/kv/kv_layout.py): each one's cached blocks from its first live
+    # layer groups 1.. (engine/core/kv_layout.py): each one's cached blocks from its first live
     # block (of num_reused blocks computed) to num_reused
     group_hits: list[list[Block]] = field(default_factory=list)
     num_reused: int = 0  # how many of `hits` it reuses (it computes at least its last token)

@@ -17,7 +17,7 @@ The device tables are mirrored in `rows` (engine/core/table_rows.py), the matrix
 metadata selects the decodes' tables from: tables enter and leave through `_put_table` and
 `_pop_table`, and their entries change only in `append_slot` and `_release_out_of_window`.
 
-Layer groups (engine/kv/kv_layout.py, `windows`: one per group): a sequence has one table per
+Layer groups (engine/core/kv_layout.py, `windows`: one per group): a sequence has one table per
 group, all of the same length, over the one device pool; `tables`, `cpu_tables` and `rows` are
 group 0's (the only group of a model without hybrid windows: today's layout). A windowed group's
 blocks that no future query can see (before `first_live_block`) are given back as soon as the
@@ -37,7 +37,7 @@ from engine.kv.block_pool import Block, BlockPool
 from engine.kv.block_swap import BlockSwap
 from engine.kv.layer_groups import LayerGroups
 from engine.kv.kv_invariants import check_invariants
-from engine.kv.kv_layout import first_live_block
+from engine.core.kv_layout import first_live_block
 from engine.kv.kv_usage import KvUsage
 from engine.kv.prefix_cache import PrefixCache
 from engine.kv.seq_kv import SeqKv

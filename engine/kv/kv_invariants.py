@@ -5,7 +5,7 @@ nothing. Kept apart from the block manager: it is the tests' contract on it, not
 from __future__ import annotations
 
 from engine.core.table_rows import RELEASED
-from engine.kv.kv_layout import first_live_block
+from engine.core.kv_layout import first_live_block
 
 
 def check_invariants(bm) -> None:

@@ -1,4 +1,4 @@
-"""`LayerGroups`: the block manager's work across KV layer groups (engine/kv/kv_layout.py): the
+"""`LayerGroups`: the block manager's work across KV layer groups (engine/core/kv_layout.py): the
 other groups' tables, giving back the blocks that fall out of a windowed group's window, and each
 group's table at admission (a sibling's shared blocks, a prefix-cache hit's blocks in every group). A base class of `BlockManager`
 (engine/kv/block_manager.py), kept in a file of its own: the same owner of blocks and tables (its
@@ -12,7 +12,7 @@ from engine.core.sequence import Sequence, SequenceGroup
 from engine.core.table_rows import RELEASED, BlockTable, new_table
 from engine.kv.admission_plan import AdmissionPlan
 from engine.kv.block_pool import Block
-from engine.kv.kv_layout import first_live_block
+from engine.core.kv_layout import first_live_block
 from engine.kv.seq_kv import SeqKv
 
 

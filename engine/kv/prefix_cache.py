@@ -7,7 +7,7 @@ work is for the new blocks only, whatever the sequence's length. `num_hashes` co
 computed (tests count it). The block manager owns it, with the records it reads and extends:
 nothing else calls it.
 
-Layer groups (engine/kv/kv_layout.py): each group's blocks are published under their own hash
+Layer groups (engine/core/kv_layout.py): each group's blocks are published under their own hash
 (`group_hash`); a hit of n blocks takes group 0's blocks [0, n) (`hits`) and every other group's
 from its first live block to n (`group_blocks`), and the block manager shortens n until all are
 cached (`BlockManager._group_hits`).

@@ -27,7 +27,7 @@ class PagedAttention(nn.Module):
             raise ValueError(f"sliding_window {sliding_window} must be at least 1")
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
-        # the KV layer group whose block tables it reads (engine/kv/kv_layout.py; set by the
+        # the KV layer group whose block tables it reads (engine/core/kv_layout.py; set by the
         # model runner with the pool's layout): `meta.groups[kv_group]`
         self.kv_group = 0
 

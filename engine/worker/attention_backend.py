@@ -58,7 +58,7 @@ class AttentionMetadata:
     prefill_tables: torch.Tensor | None = None
     # The longest context (cached + new tokens) of any sequence in this step; None: unknown.
     max_context_len: int | None = None
-    # With KV layer groups (engine/kv/kv_layout.py): each group's metadata, this one first (the
+    # With KV layer groups (engine/core/kv_layout.py): each group's metadata, this one first (the
     # same tokens over that group's block tables); a layer reads `groups[layer.kv_group]`.
     groups: list[AttentionMetadata] | None = None
 
@@ -208,7 +208,7 @@ class TorchPagedBackend(AttentionBackend):
 def _check_live(entry: torch.Tensor) -> None:
     """Assert that the first table entry a windowed read starts at holds a block: the block
     manager gives back (RELEASED, -1) exactly the blocks before `first_block`, so a negative one
-    here means the layer's window and the KV layout's disagree (engine/kv/kv_layout.py)."""
+    here means the layer's window and the KV layout's disagree (engine/core/kv_layout.py)."""
     # NOTE: one entry per sequence and layer: blocks after it are live too (the released ones
     # are a prefix of the table); the compiled kernels, given the window, start reading at the
     # same position (max(0, context - W)), and without one only run when no context outgrows

@@ -3,7 +3,7 @@
 Both are allocated once at start-up. Per layer, K and V are block-major tensors
 `[num_blocks, num_kv_heads, block_size, head_size]`, the layout `cuda_ext.ops` expects.
 
-Layer groups (engine/kv/kv_layout.py): one allocation `[2, slots, num_blocks, ...]`; layer l uses
+Layer groups (engine/core/kv_layout.py): one allocation `[2, slots, num_blocks, ...]`; layer l uses
 slot s(l) of it with its group's block ids (a block id belongs to one group's table at a time),
 so a block holds `slots` layers' K/V and copies and swaps move all its slots. Without windows to
 free, one group of all layers: `[2, num_layers, num_blocks, ...]` as before.
@@ -20,7 +20,7 @@ import torch
 
 from cuda_ext import ops
 from engine.core.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.kv.kv_layout import KvGroup, KvLayout, kv_layout
+from engine.core.kv_layout import KvGroup, KvLayout, kv_layout
 from engine.worker.models.registry import layer_windows
 from engine.worker.pool_sizing import HEADROOM, KV_SHARE, MemoryReading, human_bytes, read_memory, size_pools
 
@@ -30,7 +30,7 @@ GPU_SWAP_DEFAULT = 1024**3
 
 
 def kv_layout_for(model: ModelConfig, cache: CacheConfig) -> KvLayout:
-    """The model's KV layer groups (engine/kv/kv_layout.py): its layers' windows given back when
+    """The model's KV layer groups (engine/core/kv_layout.py): its layers' windows given back when
     `free_window_blocks` and blocks are paged (the reserve baseline keeps everything)."""
     free = cache.free_window_blocks and cache.kv_allocation == "paged"
     return kv_layout(layer_windows(model.hf_config, model.num_layers), free)

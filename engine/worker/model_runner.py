@@ -28,7 +28,7 @@ from engine.core.step import SampleResult, SeqInput, StepInput, StepOutput
 from engine.sample.sampler import score_tokens
 from engine.worker import parallel
 from engine.worker.attention_backend import TorchPagedBackend
-from engine.kv.kv_layout import KvLayout
+from engine.core.kv_layout import KvLayout
 from engine.worker.attention import PagedAttention
 from engine.worker.cache_engine import CacheEngine, kv_layout_for, num_blocks_from_budget, whole_layout
 from engine.worker.models import gguf_weights, linear_kernel

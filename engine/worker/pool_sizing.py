@@ -90,7 +90,7 @@ def size_pools(*, bytes_per_block: int, block_size: int, max_model_len: int, max
     (None: the rule); `swap`: whether preemption may swap; `ranks`: processes sharing this
     machine's memory, each with `bytes_per_block` of its own KV heads; `memory` describes
     `available`, `kv_from` / `swap_from` where given sizes came from, in the reason;
-    `tables_per_seq`: KV layer groups, each a table of blocks per sequence (engine/kv/kv_layout.py).
+    `tables_per_seq`: KV layer groups, each a table of blocks per sequence (engine/core/kv_layout.py).
     Raises ValueError when the rule cannot give one sequence."""
     per_seq_blocks = tables_per_seq * -(-max_model_len // block_size)
     per_seq = per_seq_blocks * bytes_per_block

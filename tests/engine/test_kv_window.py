@@ -1,4 +1,4 @@
-"""Sliding-window layer groups (engine/kv/kv_layout.py) in the block manager: the layout a model
+"""Sliding-window layer groups (engine/core/kv_layout.py) in the block manager: the layout a model
 gets, the blocks a windowed group gives back, and CoW, forks, swaps and prefix hits with them.
 No model, no tensors (the liveness walk with windows: tests/engine/test_liveness.py)."""
 
@@ -11,7 +11,7 @@ import pytest
 from engine.core.sequence import SequenceStatus
 from engine.core.table_rows import RELEASED
 from engine.kv.block_manager import BlockManager
-from engine.kv.kv_layout import KvGroup, first_live_block, kv_layout
+from engine.core.kv_layout import KvGroup, first_live_block, kv_layout
 from engine.worker.models.llama import layer_sliding_window
 from engine.worker.window_attention import first_block
 from tests.engine.test_block_manager import admit, make_group

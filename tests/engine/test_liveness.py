@@ -57,7 +57,7 @@ class World:
     # step "takes" 1 + D/10 + P/4 ms): None, or a cap that is often down to its floor
     cap: tuple[float, float | None] | None = None
     policy: str = "fcfs"  # the scheduling policy (engine/sched/admission_order.py)
-    # each layer group's sliding window (engine/kv/kv_layout.py): windowed groups give blocks back
+    # each layer group's sliding window (engine/core/kv_layout.py): windowed groups give blocks back
     windows: tuple[int | None, ...] = (None,)
 
 

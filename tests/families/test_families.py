@@ -77,7 +77,7 @@ def test_alone_batched_chunked_and_from_the_prefix_cache(family):
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_under_preemption(family, mode):
     # 32 blocks of 4 tokens; the prompts twice over need 2 x (5+9+14+21) blocks at their ends.
-    # NOTE: windowed layers give back all but a few blocks of a sequence (engine/kv/kv_layout.py),
+    # NOTE: windowed layers give back all but a few blocks of a sequence (engine/core/kv_layout.py),
     # so these take a pool of one max_model_len (84 tokens: 21 blocks) per KV layer group, Mistral
     # one group of 3 layers, the Gemmas 3 of 1 (a full layer between two windowed ones).
     groups = {"mistral_swa": (24,), "gemma2": (None, 16, 16), "gemma3": (None, 24, 24)}.get(family[0], (None,))

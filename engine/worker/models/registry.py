@@ -90,7 +90,7 @@ def sliding_window(hf_config) -> int | None:
 
 def layer_windows(hf_config, num_layers: int) -> list[int | None]:
     """Each layer's sliding window as its attention takes it (llama.layer_sliding_window; None:
-    the whole context): what the KV layout's groups are made of (engine/kv/kv_layout.py)."""
+    the whole context): what the KV layout's groups are made of (engine/core/kv_layout.py)."""
     return [layer_sliding_window(hf_config, i) for i in range(num_layers)]
 
 
