@@ -26,7 +26,7 @@ from server.context import ServerContext, get_ctx
 from server.errors import OpenAIError, from_engine_error
 from server.generation import StreamTracker, collect, merged, release, start_requests, until_disconnect
 from server.routes.common import require_ready
-from server.streaming import SSE_HEADERS
+from server.streaming import SSE_HEADERS, sse_body
 from server.tools import plan_tools
 
 router = APIRouter(route_class=AnthropicRoute)
@@ -78,12 +78,12 @@ async def _full(ctx: ServerContext, fmt: OutputFormat, message_id: str, model: s
         release(ctx.engine, streams)
 
 
-async def _events(ctx: ServerContext, events: MessageEvents, streams: list[RequestStream]) -> AsyncIterator[str]:
-    """The stream's body. A failure after the headers went out becomes an `error` event (which
-    Anthropic's SDK raises); a client disconnect is counted and re-raised; the streams are
-    released on every path."""
+def _events(ctx: ServerContext, events: MessageEvents, streams: list[RequestStream]) -> AsyncIterator[str]:
+    """The stream's body (server/streaming.py `sse_body`): a failure after the headers went out
+    becomes an `error` event (which Anthropic's SDK raises); no `[DONE]`."""
     tracker = StreamTracker(1)
-    try:
+
+    async def frames() -> AsyncIterator[str]:
         async for _, output in merged(streams):
             for delta in tracker.deltas(0, output):
                 if delta.first:
@@ -93,14 +93,9 @@ async def _events(ctx: ServerContext, events: MessageEvents, streams: list[Reque
                     yield frame
         for frame in events.finish(_usage(tracker)):
             yield frame
-    except asyncio.CancelledError:
-        ctx.client_disconnected()
-        raise
-    except Exception as exc:  # noqa: BLE001 - headers are out: report in-band
-        error = exc if isinstance(exc, OpenAIError) else from_engine_error(exc, in_flight=True)
-        yield event("error", error_body(error))
-    finally:
-        release(ctx.engine, streams)
+
+    return sse_body(ctx, streams, frames(), tracker, None, done="",
+                    error_frame=lambda error: event("error", error_body(error)))
 
 
 def _usage(tracker: StreamTracker) -> Usage:
