@@ -264,7 +264,7 @@ def _stop_sequences(stop: list[str] | None, settings: ServerSettings) -> list[st
                           f"got {len(stop)}.", param="stop_sequences")
     for i, sequence in enumerate(stop):
         if not sequence:
-            raise bad_request("a stop sequence must not be empty.", param=f"stop_sequences.{i}")
+            raise bad_request("each stop sequence must hold at least one character.", param=f"stop_sequences.{i}")
         if len(sequence) > settings.max_stop_str_len:
             raise bad_request(f"each stop sequence may be at most {settings.max_stop_str_len} characters long, "
                               f"got one of {len(sequence)}.", param=f"stop_sequences.{i}")
