@@ -59,8 +59,8 @@ def test_an_n3_request_shows_three_tables_sharing_its_prompt_blocks(live_server,
 
     def sample_three() -> dict:
         response = httpx.post(f"{url}/v1/completions", timeout=300, json={
-            "model": model, "prompt": prompt, "max_tokens": 64, "n": 3, "temperature": 1.0,
-            "seed": 2, "ignore_eos": True})
+            "model": model, "prompt": prompt, "max_tokens": 400, "n": 3, "temperature": 1.0,
+            "seed": 2, "ignore_eos": True})  # NOTE: long enough to be seen running between polls
         response.raise_for_status()
         return response.json()
 
