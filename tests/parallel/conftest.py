@@ -66,3 +66,21 @@ def start_long_requests(engine, count: int = 3) -> None:
         engine.add_request(f"r{i}", [5 + i] * 20, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     for _ in range(3):
         engine.step()
+
+
+def check_a_stopped_worker_fails_the_step(monkeypatch, **engine_args) -> None:
+    """SIGSTOP the first worker of an engine running long requests: the next steps give up
+    after PAGED_SERVE_TP_TIMEOUT (3 s here) with a WorkerDiedError that names it, well within 15 s."""
+    import os
+    import signal
+
+    from engine.worker.executor import WorkerDiedError
+
+    monkeypatch.setenv("PAGED_SERVE_TP_TIMEOUT", "3")
+    with tp_llm(**engine_args) as llm:
+        engine = llm.engine
+        start_long_requests(engine)
+        os.kill(engine.executor._procs[1].pid, signal.SIGSTOP)
+        err, took = run_until_failure(engine, 30)
+        assert isinstance(err, WorkerDiedError) and "PAGED_SERVE_TP_TIMEOUT" in str(err), err
+        assert took < 15

@@ -25,7 +25,7 @@ from engine.worker.parallel import stage_layers
 from engine.worker.pipeline_stage import micro_batches
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_hf_equality import assert_matches
-from tests.parallel.conftest import run_until_failure, start_long_requests, tp_llm
+from tests.parallel.conftest import check_a_stopped_worker_fails_the_step, run_until_failure, start_long_requests, tp_llm
 from tests.parallel.test_tensor_parallel import TINY, compare, greedy
 
 NEW = 10
@@ -198,11 +198,4 @@ def test_ranks_that_disagree_on_the_model_fail_clearly_at_start(monkeypatch):
 def test_hung_stage_fails_the_step_after_the_timeout(monkeypatch):
     """A stage that stops answering leaves the others waiting in a receive, which gives up
     after PAGED_SERVE_TP_TIMEOUT as a collective does."""
-    monkeypatch.setenv("PAGED_SERVE_TP_TIMEOUT", "3")
-    with tp_llm(**TINY, pipeline_parallel_size=2) as llm:
-        engine = llm.engine
-        start_long_requests(engine)
-        os.kill(engine.executor._procs[1].pid, signal.SIGSTOP)
-        err, took = run_until_failure(engine, 30)
-        assert isinstance(err, WorkerDiedError) and "PAGED_SERVE_TP_TIMEOUT" in str(err), err
-        assert took < 15
+    check_a_stopped_worker_fails_the_step(monkeypatch, **TINY, pipeline_parallel_size=2)

@@ -5,15 +5,9 @@ as with a dead tensor-parallel worker (test_server_tp.py)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
-import httpx
 import pytest
 
-from tests.parallel.test_server_tp import ENV, alive, tp_workers
-from tests.server.conftest import start_server
+from tests.parallel.test_server_tp import kill_a_worker_and_check
 
 FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--swap-space", "0.02",
          "--log-level", "warning", "--disable-uvicorn-access-log"]
@@ -21,27 +15,4 @@ FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--swap-space"
 
 @pytest.mark.timeout(150)
 def test_daemon_reports_a_dead_stage_and_stops_cleanly():
-    server = start_server("--pipeline-parallel-size", "2", *FLAGS, env=ENV, timeout=120)
-    try:
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": "The lighthouse keeper", "max_tokens": 6,
-                "temperature": 0}
-        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200 and r.json()["choices"][0]["text"]
-        workers = tp_workers(server.proc.pid)
-        assert len(workers) == 1, workers
-        os.kill(workers[0], signal.SIGKILL)
-
-        deadline = time.monotonic() + 60
-        health = httpx.get(server.url + "/health", timeout=5)
-        while health.status_code == 200 and time.monotonic() < deadline:
-            t0 = time.monotonic()
-            r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
-            assert r.status_code >= 500 and time.monotonic() - t0 < 15, r.text
-            health = httpx.get(server.url + "/health", timeout=5)
-        assert health.status_code == 503, health.text
-        assert "pipeline stage 1" in health.json().get("reason", ""), health.text
-    finally:
-        code = server.stop(signal.SIGTERM, timeout=30)
-    assert code is not None
-    time.sleep(1)
-    assert not [p for p in workers if alive(p)], "a worker outlived the server"
+    kill_a_worker_and_check(["--pipeline-parallel-size", "2", *FLAGS], 1, "pipeline stage 1")

@@ -25,7 +25,8 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.step import StepInput
 from engine.worker.executor import WorkerDiedError, _free_port
 from tests.engine.test_hf_equality import assert_matches
-from tests.parallel.conftest import run_until_failure, start_long_requests, top2_of, tp_llm
+from tests.parallel.conftest import (check_a_stopped_worker_fails_the_step, run_until_failure, start_long_requests,
+                                     top2_of, tp_llm)
 
 # NOTE: a small swap pool: each rank allocates (and zeroes) its own.
 TINY = {"model": "tiny-4kv", "load_format": "dummy", "max_model_len": 128, "kv_cache_memory": "16MiB",
@@ -187,14 +188,7 @@ def test_worker_dying_while_idle_is_noticed_without_a_step():
 
 @pytest.mark.timeout(90)
 def test_hung_worker_fails_the_step_after_the_timeout(monkeypatch):
-    monkeypatch.setenv("PAGED_SERVE_TP_TIMEOUT", "3")
-    with tp_llm(**TINY, tensor_parallel_size=2) as llm:
-        engine = llm.engine
-        start_long_requests(engine)
-        os.kill(engine.executor._procs[1].pid, signal.SIGSTOP)
-        err, took = run_until_failure(engine, 30)
-        assert isinstance(err, WorkerDiedError) and "PAGED_SERVE_TP_TIMEOUT" in str(err), err
-        assert took < 15
+    check_a_stopped_worker_fails_the_step(monkeypatch, **TINY, tensor_parallel_size=2)
 
 
 @pytest.mark.timeout(120)
