@@ -51,6 +51,21 @@ async def start_requests(engine: AsyncEngine, base_id: str, requests: list[Engin
     return streams
 
 
+@contextlib.contextmanager
+def answering(engine: AsyncEngine, streams: list[RequestStream]):
+    """Around a route's reading of `streams` into its whole (non-streamed) answer: an OpenAIError
+    or a cancellation passes as it is, any other failure becomes this request's engine error
+    (`from_engine_error(..., in_flight=True)`), and the streams are released on every path."""
+    try:
+        yield
+    except (asyncio.CancelledError, OpenAIError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - one request's failure
+        raise from_engine_error(exc, in_flight=True) from None
+    finally:
+        release(engine, streams)
+
+
 def release(engine: AsyncEngine, streams: list[RequestStream]) -> None:
     """Abort every stream not read to its end, and forget them all."""
     for stream in streams:

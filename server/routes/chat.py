@@ -3,7 +3,6 @@ top_logprobs, streaming, tool calls (server/tools.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -12,8 +11,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.core.sampling_params import SamplingParams
 from engine.loop.async_engine import RequestStream
 from server.context import ServerContext, get_ctx
-from server.errors import OpenAIError, from_engine_error
-from server.generation import StreamTracker, collect, merged, release, sorted_choices, start_requests, until_disconnect
+from server.generation import (StreamTracker, answering, collect, merged, sorted_choices, start_requests,
+                               until_disconnect)
 from server.logprobs import chat_logprobs
 from server.protocol import (
     ChatChoiceLogprobs,
@@ -60,7 +59,7 @@ def _decode_one(ctx: ServerContext):
 
 async def _full(ctx: ServerContext, params: SamplingParams, fmt: OutputFormat, request_id: str, model: str,
                 streams: list[RequestStream], top_n: int) -> Response:
-    try:
+    with answering(ctx.engine, streams):
         (output,) = await collect(streams)
         choices, completion_tokens = [], 0
         for choice in sorted_choices(output):
@@ -76,12 +75,6 @@ async def _full(ctx: ServerContext, params: SamplingParams, fmt: OutputFormat, r
         usage = UsageInfo.of(prompt_tokens, completion_tokens, output.num_cached_tokens)
         response = ChatCompletionResponse(id=request_id, created=now(), model=model, choices=choices, usage=usage)
         return JSONResponse(response.model_dump())
-    except (asyncio.CancelledError, OpenAIError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - one request's failure
-        raise from_engine_error(exc, in_flight=True) from None
-    finally:
-        release(ctx.engine, streams)
 
 
 def _stream(ctx: ServerContext, params: SamplingParams, fmt: OutputFormat, request_id: str, model: str,

@@ -3,7 +3,6 @@ logprobs, streaming."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -14,8 +13,8 @@ from engine.core.sampling_params import SamplingParams
 from engine.loop.async_engine import RequestStream
 from server.admission import PromptSource, admit
 from server.context import ServerContext, get_ctx
-from server.errors import OpenAIError, from_engine_error
-from server.generation import StreamTracker, collect, merged, release, sorted_choices, start_requests, until_disconnect
+from server.generation import (StreamTracker, answering, collect, merged, sorted_choices, start_requests,
+                               until_disconnect)
 from server.logprobs import completion_logprobs
 from server.protocol import (
     CompletionChoice,
@@ -88,7 +87,7 @@ async def _logprobs(ctx: ServerContext, output: RequestOutput, entries: list, to
 
 async def _full(ctx: ServerContext, req: CompletionRequest, params: SamplingParams, request_id: str,
                 model: str, streams: list[RequestStream], echo_texts: list[str] | None) -> Response:
-    try:
+    with answering(ctx.engine, streams):
         finals = await collect(streams)
         choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
         for p, output in enumerate(finals):
@@ -110,14 +109,6 @@ async def _full(ctx: ServerContext, req: CompletionRequest, params: SamplingPara
             # NOTE: with the prompt's logprobs the body grows with the prompt: encoded off the loop
             return await ctx.inputs.off_loop(lambda: JSONResponse(response.model_dump()))
         return JSONResponse(response.model_dump())
-    except asyncio.CancelledError:
-        raise
-    except OpenAIError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - one request's failure
-        raise from_engine_error(exc, in_flight=True) from None
-    finally:
-        release(ctx.engine, streams)
 
 
 def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingParams, request_id: str,

@@ -9,7 +9,6 @@ Anthropic's content blocks and events. Errors are Anthropic's shape (server/anth
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -23,8 +22,7 @@ from server.anthropic_protocol import CountTokensRequest, MessagesRequest, Usage
 from server.chat_output import OutputFormat, answer
 from server.chat_request import prepare_chat, to_template_messages
 from server.context import ServerContext, get_ctx
-from server.errors import OpenAIError, from_engine_error
-from server.generation import StreamTracker, collect, merged, release, start_requests, until_disconnect
+from server.generation import StreamTracker, answering, collect, merged, start_requests, until_disconnect
 from server.routes.common import require_ready
 from server.streaming import SSE_HEADERS, sse_body
 from server.tools import plan_tools
@@ -63,19 +61,13 @@ async def count_tokens(req: CountTokensRequest, request: Request) -> dict:
 
 async def _full(ctx: ServerContext, fmt: OutputFormat, message_id: str, model: str,
                 streams: list[RequestStream]) -> Response:
-    try:
+    with answering(ctx.engine, streams):
         (output,) = await collect(streams)
         (choice,) = output.outputs
         reply, finish_reason = answer(fmt, choice.text, choice.finish_reason)
         usage = Usage.of(len(output.prompt_token_ids), len(choice.token_ids), output.num_cached_tokens)
         result = message(message_id, model, reply, finish_reason, choice.stop_reason, usage)
         return JSONResponse(result.model_dump())
-    except (asyncio.CancelledError, OpenAIError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - one request's failure
-        raise from_engine_error(exc, in_flight=True) from None
-    finally:
-        release(ctx.engine, streams)
 
 
 def _events(ctx: ServerContext, events: MessageEvents, streams: list[RequestStream]) -> AsyncIterator[str]:

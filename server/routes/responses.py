@@ -23,8 +23,9 @@ from engine.loop.async_engine import RequestStream
 from server.chat_output import ChoiceStream, OutputFormat, answer
 from server.chat_request import prepare_chat
 from server.context import ServerContext, get_ctx
-from server.errors import OpenAIError, bad_request, from_engine_error, shown
-from server.generation import StreamTracker, collect, merged, release, sorted_choices, start_requests, until_disconnect
+from server.errors import OpenAIError, bad_request, shown
+from server.generation import (StreamTracker, answering, collect, merged, sorted_choices, start_requests,
+                               until_disconnect)
 from server.protocol import UsageInfo
 from server.responses_api import ResponsesRequest, check_unsupported, history_messages, new_id, renamed, to_chat
 from server.responses_output import output_items, output_messages, response_object, status_of, usage
@@ -121,7 +122,7 @@ class _Run:
         self.fmt, self.streams, self.conversation = fmt, streams, conversation
 
     async def full(self) -> Response:
-        try:
+        with answering(self.ctx.engine, self.streams):
             (output,) = await collect(self.streams)
             (choice,) = sorted_choices(output)
             message, finish_reason = answer(self.fmt, choice.text, choice.finish_reason)
@@ -133,12 +134,6 @@ class _Run:
                                        usage_info=usage(info, reasoning), incomplete=incomplete)
             await self._store(response)
             return JSONResponse(response)
-        except (asyncio.CancelledError, OpenAIError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - one request's failure
-            raise from_engine_error(exc, in_flight=True) from None
-        finally:
-            release(self.ctx.engine, self.streams)
 
     async def events(self, events: ResponseEvents) -> AsyncIterator[str]:
         """The event frames (sse_body ends the stream, releases it, reports a failure)."""
