@@ -13,6 +13,8 @@ Reported per policy:
   (paged_serve:prefix_cache_hits_total / _queries_total) before and after the workload;
 - TTFT p50 / p90 (client side: request sent to the first content token), over every turn and
   over turns 2.. (the ones a cache can serve);
+- the workload's bound: the hit rate if every turn found its whole history (the previous turn's
+  prompt and answer) cached, from the responses' usage: what a perfect router would get;
 - how many requests each replica served.
 
 Cache-aware routing sends a conversation's next turn to the replica that holds its history, so
@@ -64,6 +66,7 @@ class Turn:
     ttft: float | None = None  # seconds to the first content token
     prompt_tokens: int = 0
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
+    completion_tokens: int = 0
     error: str | None = None
 
 
@@ -78,6 +81,8 @@ class PolicyResult:
     requests_per_replica: list[int]
     client_cached_fraction: float  # the same hit rate as the responses' usage reports it
     client_cached_fraction_later_turns: float  # the same over turns 2.. only
+    # What a router that always finds the history would get: `history_bound`.
+    bound: float
     failed: int
     wall_s: float
     errors: list[str] = field(default_factory=list)
@@ -160,6 +165,7 @@ async def chat_turn(client: httpx.AsyncClient, url: str, model: str, messages: l
                 usage = chunk.get("usage")
                 if usage:
                     record.prompt_tokens = usage["prompt_tokens"]
+                    record.completion_tokens = usage.get("completion_tokens", 0)
                     record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:200]
@@ -189,6 +195,34 @@ async def run_workload(url: str, model: str, args: argparse.Namespace) -> list[T
     async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
         await asyncio.gather(*(conversation(client, i) for i in range(args.conversations)))
     return records
+
+
+def history_bound(records: list[Turn], block_size: int = 16) -> float:
+    """The hit rate if every turn found its whole history cached: per later turn, the previous
+    turn's prompt and answer in whole blocks (below the new prompt's last token), per first turn
+    what it found (the shared system prompt), over all prompt tokens. An upper bound: the
+    re-rendered history may tokenize a little differently from the tokens the replica holds."""
+    by_turn = {(r.conversation, r.turn): r for r in records}
+    hits = total = 0
+    for r in records:
+        previous = by_turn.get((r.conversation, r.turn - 1))
+        if r.turn == 0 or previous is None:
+            hits += r.cached_tokens
+        else:
+            held = min(previous.prompt_tokens + previous.completion_tokens, r.prompt_tokens - 1)
+            hits += max(held // block_size * block_size, r.cached_tokens)
+        total += r.prompt_tokens
+    return hits / total if total else 0.0
+
+
+def block_size_of(replica_flags: list[str]) -> int:
+    """The replicas' --block-size (16, the server's default, when not given)."""
+    for i, flag in enumerate(replica_flags):
+        if flag == "--block-size" and i + 1 < len(replica_flags):
+            return int(replica_flags[i + 1])
+        if flag.startswith("--block-size="):
+            return int(flag.split("=", 1)[1])
+    return 16
 
 
 def summarize(values: list[float]) -> dict:
@@ -234,7 +268,7 @@ def run_policy(policy: str, args: argparse.Namespace, replica_flags: list[str], 
         client_cached_fraction=sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         client_cached_fraction_later_turns=(sum(r.cached_tokens for r in later) / later_prompt
                                             if later_prompt else 0.0),
-        failed=len(records) - len(ok) + (args.conversations * args.turns - len(records)),
+        bound=history_bound(ok, block_size_of(replica_flags)), failed=len(records) - len(ok) + (args.conversations * args.turns - len(records)),
         wall_s=wall, errors=sorted({r.error for r in records if r.error})[:5])
 
 
@@ -249,10 +283,10 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def format_results(results: list[PolicyResult]) -> str:
-    lines = [f"{'policy':<12} {'hit rate':>8} {'hits t2+':>8} {'TTFT p50':>9} {'TTFT p90':>9} {'p50 t2+':>8} "
+    lines = [f"{'policy':<12} {'hit rate':>8} {'bound':>6} {'hits t2+':>8} {'TTFT p50':>9} {'TTFT p90':>9} {'p50 t2+':>8} "
              f"{'p90 t2+':>8} {'failed':>6}  requests per replica"]
     for r in results:
-        lines.append(f"{r.policy:<12} {r.hit_rate:>8.1%} {r.client_cached_fraction_later_turns:>8.1%} "
+        lines.append(f"{r.policy:<12} {r.hit_rate:>8.1%} {r.bound:>6.1%} {r.client_cached_fraction_later_turns:>8.1%} "
                      f"{r.ttft_ms['p50']:>7.0f}ms {r.ttft_ms['p90']:>7.0f}ms "
                      f"{r.ttft_ms_later_turns['p50']:>6.0f}ms {r.ttft_ms_later_turns['p90']:>6.0f}ms "
                      f"{r.failed:>6}  {r.requests_per_replica}")

@@ -59,6 +59,21 @@ def test_each_turn_resends_the_conversation_so_far():
     assert counters["paged_serve:prefix_cache_hits_total"] >= sum(r.cached_tokens for r in records)
 
 
+def test_history_bound_counts_the_previous_turn_in_whole_blocks():
+    """Turn 0 counts what it found; a later turn the previous prompt + answer in whole blocks,
+    below its own last token, or what it found if more; over every prompt token."""
+    Turn = router_prefix.Turn
+    records = [Turn(0, 0, prompt_tokens=100, cached_tokens=16, completion_tokens=30),
+               Turn(0, 1, prompt_tokens=180, cached_tokens=0, completion_tokens=30),   # 130 held -> 128
+               Turn(0, 2, prompt_tokens=211, cached_tokens=0),                          # 210 held -> 208
+               Turn(1, 0, prompt_tokens=40, cached_tokens=0, completion_tokens=100),
+               Turn(1, 1, prompt_tokens=141, cached_tokens=0)]                          # min(140, 140) -> 128
+    assert router_prefix.history_bound(records) == (16 + 128 + 208 + 0 + 128) / (100 + 180 + 211 + 40 + 141)
+    assert router_prefix.history_bound(records, block_size=64) == (16 + 128 + 192 + 0 + 128) / 672
+    assert router_prefix.block_size_of(["--seed", "0", "--block-size", "32"]) == 32
+    assert router_prefix.block_size_of(["--block-size=8"]) == 8 and router_prefix.block_size_of([]) == 16
+
+
 def router_command() -> str | None:
     return os.environ.get("PAGED_SERVE_ROUTER_CMD") or shutil.which("sglang-router")
 
