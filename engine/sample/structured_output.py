@@ -189,6 +189,13 @@ class StructuredOutputCompiler:
 
         if self._hf_tokenizer is None:
             raise ValueError("structured outputs need the model's tokenizer (this model has none).")
+        backend = getattr(self._hf_tokenizer, "backend_tokenizer", None)
+        if backend is not None and backend.padding is None and backend.truncation is None:
+            # NOTE: llguidance.hf.from_tokenizer first copies the Rust tokenizer to switch its
+            # padding and truncation off (0.6 of its 0.9 s here, and ~10 MB that stay in the
+            # heap); with neither set, the tokenizer's own JSON is the same.
+            return llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                          eos_token=self._hf_tokenizer.eos_token_id)
         return llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
 
     def warm_up(self) -> float:

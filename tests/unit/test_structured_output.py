@@ -173,13 +173,13 @@ def test_compiler_caches_by_value_and_not_errors(compiler):
 def test_warm_up_builds_the_vocabulary_once_and_requests_reuse_it(tokenizer, monkeypatch):
     """The server warms the compiler up while loading (server/app.py): the vocabulary's build
     holds the GIL, so a constrained request must not be the one that pays for it."""
-    import llguidance.hf
+    import llguidance
 
     from server.app import _warm_structured_outputs
 
     builds = []
-    real = llguidance.hf.from_tokenizer
-    monkeypatch.setattr(llguidance.hf, "from_tokenizer", lambda *a, **k: builds.append(1) or real(*a, **k))
+    real = llguidance.LLTokenizer
+    monkeypatch.setattr(llguidance, "LLTokenizer", lambda *a, **k: builds.append(1) or real(*a, **k))
 
     class Engine:
         structured_outputs = StructuredOutputCompiler(tokenizer, VOCAB)
@@ -190,6 +190,20 @@ def test_warm_up_builds_the_vocabulary_once_and_requests_reuse_it(tokenizer, mon
     Engine.structured_outputs.warm_up()
     assert builds == [1]
     assert StructuredOutputCompiler(None, VOCAB).warm_up() == 0.0  # a model without a tokenizer
+
+
+def test_the_vocabulary_built_from_the_tokenizers_json_equals_llguidances_own_build(tokenizer):
+    """The compiler builds llguidance's tokenizer from the HF tokenizer's JSON without the copy
+    llguidance.hf.from_tokenizer makes: the same tokens, special tokens and end of sequence."""
+    import llguidance.hf
+
+    ours = StructuredOutputCompiler(tokenizer, VOCAB)._ll_tokenizer
+    theirs = llguidance.hf.from_tokenizer(tokenizer, n_vocab=VOCAB)
+    text = 'Hello, world! {"a": [1, 2.5e-3, "\\u00e9"]}\n\tdone <|im_end|>'
+    assert ours.tokenize_str(text) == theirs.tokenize_str(text) == tokenizer.encode(text, add_special_tokens=False)
+    assert ours.vocab_size == theirs.vocab_size and ours.eos_token == theirs.eos_token
+    assert [ours.is_special_token(t) for t in range(VOCAB)] == [theirs.is_special_token(t) for t in range(VOCAB)]
+    assert ours.decode_bytes(list(range(0, VOCAB, 7))) == theirs.decode_bytes(list(range(0, VOCAB, 7)))
 
 
 def test_a_failed_warm_up_is_logged_and_not_raised(caplog):
