@@ -7,8 +7,9 @@ worker: token ids, positions and block tables, never `Sequence` objects. The run
 out, swap in, copy-on-write) before the forward pass and never decides anything itself.
 With tensor parallelism each rank runs this same code on its shard of the weights and of the
 KV heads; the layers communicate (engine/worker/models/layers.py). With pipeline parallelism
-each rank keeps its stage's layers and KV pool only and runs the step through its
-`PipelineStage` (engine/worker/pipeline_stage.py); stage 0 computes the logits.
+each rank builds and loads its stage's modules only (engine/worker/stage_layout.py), holds its
+layers' KV pool only and runs the step through its `PipelineStage` (engine/worker/
+pipeline_stage.py); stage 0 computes the logits.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from engine.worker.models.registry import model_class
 from engine.worker.models.loader import is_gguf, load_weights
 from engine.worker.models.quant_linear import describe_footprint, weight_footprint
 from engine.worker.models.quantize import quantize_linear_layers
-from engine.worker.pipeline_stage import PipelineStage, StageLayout, keep_stage
+from engine.worker.pipeline_stage import PipelineStage
+from engine.worker.stage_layout import StageLayout
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +57,8 @@ class ModelRunner:
         self.tp_size = parallel.world_size()
         self.layout = StageLayout.of_this_rank(model_config.num_layers)
         pipelined = self.layout.num_stages > 1
-        # NOTE: the full config builds the model (every rank draws the same dummy weights); the
-        # stage's counts its own layers only, for the KV pool's size.
+        # NOTE: the full config builds the model (its classes build this stage's modules only,
+        # engine/worker/stage_layout.py); the stage's counts its own layers, for the KV pool.
         self.config = _stage_config(model_config, len(self.layout.layers)) if pipelined else model_config
         t0 = time.perf_counter()
         torch.manual_seed(model_config.seed)
@@ -68,7 +70,6 @@ class ModelRunner:
         self.model.eval()
         self.stage: PipelineStage | None = None
         if pipelined:
-            keep_stage(self.model, self.layout)
             self.stage = PipelineStage(self.model, self.layout, model_config.hf_config.hidden_size, model_config.dtype,
                                        device, micro_batches or self.layout.num_stages)
             logger.info("pipeline stage %d of %d: decoder layers %d..%d%s", self.layout.stage, self.layout.num_stages,

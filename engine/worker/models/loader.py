@@ -182,6 +182,10 @@ def load_weights(model: torch.nn.Module, path: str, load_format: str, seed: int 
     """Fill `model`'s parameters: from the directory's safetensors, or random for "dummy"
     (engine/worker/models/dummy_weights.py).
 
+    Only the tensors of `model`'s own parameters are read: on a pipeline stage, whose model holds
+    its stage's modules only (engine/worker/stage_layout.py), the other stages' tensors are
+    never read from the file (only the files' headers, for the names).
+
     Each parameter may define `weight_loader(param, tensor, shard_id=None)` (tensor-parallel
     shards, fused q/k/v and gate/up projections); `model.packed_modules` maps checkpoint
     names such as "q_proj" to (fused name, shard id), after `model.renamed_modules` (module
@@ -202,6 +206,7 @@ def load_weights(model: torch.nn.Module, path: str, load_format: str, seed: int 
         with safe_open(str(f), "pt") as fh:
             names.extend((f, n) for n in fh.keys())
     loaded: set[str] = set()
+    read = 0
     handles = {f: safe_open(str(f), "pt") for f in files}
     for f, name in tqdm(names, desc="Loading weights", unit="tensor", disable=None):
         if "rotary_emb.inv_freq" in name:
@@ -213,10 +218,11 @@ def load_weights(model: torch.nn.Module, path: str, load_format: str, seed: int 
             if f".{ckpt_name}." in target:
                 target, shard = target.replace(ckpt_name, fused_name), shard_id
                 break
-        if target not in params:
+        if target not in params:  # NOTE: another pipeline stage's, or a buffer: not read
             continue
         param = params[target]
         tensor = handles[f].get_tensor(name)
+        read += 1
         loader = getattr(param, "weight_loader", None)
         with torch.no_grad():
             if loader is not None:
@@ -228,4 +234,4 @@ def load_weights(model: torch.nn.Module, path: str, load_format: str, seed: int 
     missing = set(params) - loaded - tied
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for: {sorted(missing)[:8]}")
-    logger.info("loaded %d tensors from %s in %.1f s", len(names), path, time.perf_counter() - t0)
+    logger.info("loaded %d of %d tensors from %s in %.1f s", read, len(names), path, time.perf_counter() - t0)
