@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from engine.worker.attention import AttentionMetadata, PagedAttention
-from engine.worker.stage_layout import MissingLayer, StageLayout
 from engine.worker.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -35,6 +34,7 @@ from engine.worker.models.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
+from engine.worker.stage_layout import MissingLayer, StageLayout
 
 
 def config_sliding_window(config) -> int | None:
