@@ -3,9 +3,11 @@ pipeline sizes and micro-batch counts, one engine after another.
 
     python -m benchmarks.pp_bench              # default model: P=1 (compiled stack off, on), P=2 (1, 2 micro-batches)
     python -m benchmarks.pp_bench --runs 1:1 2:1 2:2 3:3 --out results.json
+    python -m benchmarks.pp_bench --model smollm2-1.7b --load-format dummy --dtype bfloat16 --runs 1:1 2:1
 
 Each run is `P:M` (M micro-batches per step). The same prompts (foundation-test text) run to
-exactly --max-tokens each (EOS ignored), all admitted at once. Reported: decode tokens/s (decode
+exactly --max-tokens each (EOS ignored), all admitted at once; with dummy weights (no
+tokenizer) the prompts are token ids. Reported: decode tokens/s (decode
 steps' tokens over their time), the mean decode step, each rank's CPU time per decode step
 (what other jobs on a shared machine disturb least), whether the greedy tokens equal the first
 run's, and per rank its peak resident memory (VmHWM) and its memory at the end (VmRSS), read from
@@ -55,12 +57,15 @@ def run_one(spec: str, args) -> dict:
 
     llm = LLM(args.model, pipeline_parallel_size=pp, pipeline_micro_batches=micro, max_model_len=args.max_model_len,
               kv_cache_memory=args.kv_cache_memory, swap_space=0.05, enable_prefix_caching=False,
-              max_num_seqs=args.streams)
+              max_num_seqs=args.streams, load_format=args.load_format, dtype=args.dtype)
     engine = llm.engine
     if how == ["py"]:
         engine.executor.runner.model.model.compiled_stack = None  # the decoder layer by layer, as a stage runs it
     try:
-        prompts = [prompt_of_length(engine.tokenizer, args.prompt_len, 37 * i) for i in range(args.streams)]
+        if engine.tokenizer is None:  # dummy weights
+            prompts = [[(37 * i + j) % 1000 + 3 for j in range(args.prompt_len)] for i in range(args.streams)]
+        else:
+            prompts = [prompt_of_length(engine.tokenizer, args.prompt_len, 37 * i) for i in range(args.streams)]
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         for i, p in enumerate(prompts):
             engine.add_request(f"bench-{i}", p, params)
@@ -103,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", nargs="+", default=["1:1:py", "1:1", "2:1", "2:2"],
                    help="P:M pairs; 1:1:py runs one process without the compiled decoder stack")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a run in a fresh process
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help="with --load-format dummy: a config under configs/models/")
+    p.add_argument("--load-format", default="auto", help="dummy: random weights of --model's config")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)

@@ -7,8 +7,9 @@ worker: token ids, positions and block tables, never `Sequence` objects. The run
 out, swap in, copy-on-write) before the forward pass and never decides anything itself.
 With tensor parallelism each rank runs this same code on its shard of the weights and of the
 KV heads; the layers communicate (engine/worker/models/layers.py). With pipeline parallelism
-each rank keeps its stage's layers and KV pool only and runs the step through its
-`PipelineStage` (engine/worker/pipeline_stage.py); stage 0 computes the logits.
+each rank builds and loads its stage's modules only (engine/worker/stage_layout.py), holds its
+layers' KV pool only and runs the step through its `PipelineStage` (engine/worker/
+pipeline_stage.py); stage 0 computes the logits.
 """
 
 from __future__ import annotations
@@ -33,19 +34,14 @@ from engine.worker.attention import PagedAttention
 from engine.worker.cache_engine import CacheEngine, kv_layout_for, num_blocks_from_budget, whole_layout
 from engine.worker.models import gguf_weights, linear_kernel
 from engine.worker.models.decoder_stack import use_compiled_stack
-from engine.worker.models.layers import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    use_fused_ops,
-)
+from engine.worker.models.dummy_weights import load_dummy_weights
+from engine.worker.models.layers import use_fused_ops
 from engine.worker.models.registry import model_class
 from engine.worker.models.loader import is_gguf, load_weights
 from engine.worker.models.quant_linear import describe_footprint, weight_footprint
 from engine.worker.models.quantize import quantize_linear_layers
-from engine.worker.pipeline_stage import PipelineStage, StageLayout, keep_stage
+from engine.worker.pipeline_stage import PipelineStage
+from engine.worker.stage_layout import StageLayout
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +57,8 @@ class ModelRunner:
         self.tp_size = parallel.world_size()
         self.layout = StageLayout.of_this_rank(model_config.num_layers)
         pipelined = self.layout.num_stages > 1
-        # NOTE: the full config builds the model (every rank draws the same dummy weights); the
-        # stage's counts its own layers only, for the KV pool's size.
+        # NOTE: the full config builds the model (its classes build this stage's modules only,
+        # engine/worker/stage_layout.py); the stage's counts its own layers, for the KV pool.
         self.config = _stage_config(model_config, len(self.layout.layers)) if pipelined else model_config
         t0 = time.perf_counter()
         torch.manual_seed(model_config.seed)
@@ -74,7 +70,6 @@ class ModelRunner:
         self.model.eval()
         self.stage: PipelineStage | None = None
         if pipelined:
-            keep_stage(self.model, self.layout)
             self.stage = PipelineStage(self.model, self.layout, model_config.hf_config.hidden_size, model_config.dtype,
                                        device, micro_batches or self.layout.num_stages)
             logger.info("pipeline stage %d of %d: decoder layers %d..%d%s", self.layout.stage, self.layout.num_stages,
@@ -264,51 +259,3 @@ def _tensor(values: array, device: torch.device) -> torch.Tensor:
     if not values:
         return torch.empty(0, dtype=torch.int64, device=device)
     return torch.frombuffer(values, dtype=torch.int64).to(device, copy=True)
-
-
-@torch.no_grad()
-def load_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Random weights that do not depend on the tensor-parallel size: every parameter's full
-    (unsharded) tensor is drawn in the same order and from the same generator as at world size
-    1, then its `weight_loader` cuts this rank's shard out of it. At world size 1 this gives
-    exactly the weights of `loader.load_weights(..., "dummy")`."""
-    t0 = time.perf_counter()
-    # NOTE: drawn where the model lives: one CPU generator takes ~40 s for an 8B model's values,
-    # a GPU's a fraction of a second. On a CPU the values are what they always were.
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    owner = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
-    for p in model.parameters():
-        module = owner[id(p)]
-        full = torch.empty(_full_shape(module, p), dtype=torch.float32, device=device)
-        full.uniform_(-0.05, 0.05, generator=gen)
-        for shard_id, part in _checkpoint_parts(module, full):
-            loader = getattr(p, "weight_loader", None)
-            if loader is not None:
-                loader(p, part.to(p.dtype), shard_id)
-            else:
-                p.copy_(part)
-    logger.info("initialised dummy weights in %.1f s", time.perf_counter() - t0)
-
-
-def _full_shape(module: torch.nn.Module, p: torch.nn.Parameter) -> tuple[int, ...]:
-    """The shape `p` has at world size 1."""
-    tp = getattr(module, "tp_size", 1)
-    if isinstance(module, VocabParallelEmbedding):
-        return (module.vocab_size, p.shape[1])
-    if isinstance(module, ColumnParallelLinear):
-        return (p.shape[0] * tp,) + tuple(p.shape[1:])
-    if isinstance(module, RowParallelLinear) and p is module.weight:
-        return (p.shape[0], p.shape[1] * tp)
-    return tuple(p.shape)
-
-
-def _checkpoint_parts(module: torch.nn.Module, full: torch.Tensor):
-    """(shard id, tensor) pairs as a checkpoint would hand them to the weight loader."""
-    if isinstance(module, QKVParallelLinear):
-        q = module.num_heads * module.tp_size * module.head_size
-        kv = module.num_kv_heads * module.tp_size * module.head_size
-        return list(zip("qkv", full.split([q, kv, kv])))
-    if isinstance(module, MergedColumnParallelLinear):
-        return list(enumerate(full.split(module.out_sizes)))
-    return [(None, full)]

@@ -2,11 +2,12 @@
 micro-batches whose activations travel between stages by point-to-point sends.
 
 With `--pipeline-parallel-size P` rank `r` is stage `r // T` (T: the tensor-parallel size,
-engine/worker/parallel.py). Every rank builds the whole model as one process would (so seeded
-dummy weights are the same at any P), then `keep_stage` drops what its stage does not compute:
-the other stages' layers; the embedding and the LM head but on the first stage; the final norm
-but on the last. Each stage's KV pool holds its own layers only, under the same block ids, since
-every rank runs the same step with the same block tables.
+engine/worker/parallel.py). Each rank builds and loads only what its stage computes
+(engine/worker/stage_layout.py): its layers; the embedding and the LM head on the first stage;
+the final norm on the last. The loaders never read the other stages' tensors, and dummy weights
+are seeded per parameter name, so they are the same at any P. Each stage's KV pool holds its own
+layers only, under the same block ids, since every rank runs the same step with the same block
+tables.
 
 A step (`PipelineStage.run`), on every stage:
 
@@ -27,59 +28,12 @@ residual, so it cannot run a slice that takes and hands on a residual.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
 from engine.core.step import SeqInput
 from engine.worker import parallel
-
-
-class MissingLayer(nn.Module):
-    """What stands in for a module another stage holds: no weights; calling it is a bug."""
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("this module lives on another pipeline stage")
-
-
-@dataclasses.dataclass(frozen=True)
-class StageLayout:
-    """Which part of the model this rank's stage computes."""
-
-    stage: int
-    num_stages: int
-    layers: range
-
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.num_stages - 1
-
-    @classmethod
-    def of_this_rank(cls, num_layers: int) -> StageLayout:
-        p, s = parallel.pipeline_size(), parallel.stage()
-        return cls(s, p, parallel.stage_layers(num_layers, p, s))
-
-
-def keep_stage(model: nn.Module, layout: StageLayout) -> None:
-    """Drop from `model` (a Llama-family `...ForCausalLM`, its weights loaded) what `layout`'s
-    stage does not compute. Raises ValueError for a model without `model.layers`."""
-    decoder = getattr(model, "model", None)
-    if decoder is None or not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} cannot be split into pipeline stages")
-    for i in range(len(decoder.layers)):
-        if i not in layout.layers:
-            decoder.layers[i] = MissingLayer()
-    if not layout.first:
-        decoder.embed_tokens = MissingLayer()
-        model.lm_head = MissingLayer()
-    if not layout.last:
-        decoder.norm = MissingLayer()
-    decoder.compiled_stack = None
+from engine.worker.stage_layout import StageLayout
 
 
 def micro_batches(seqs: list[SeqInput], count: int) -> list[list[SeqInput]]:

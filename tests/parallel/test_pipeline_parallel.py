@@ -104,7 +104,8 @@ def test_pp2_by_tp2_equals_hf(tiny_llama):
 
 @pytest.mark.timeout(120)
 def test_tiny_4kv_pp2_equals_pp1_with_swaps_copies_and_prompt_logprobs():
-    """Seeded dummy weights are drawn whole on every rank, so P=2 must give P=1's tokens; a pool
+    """Dummy weights are seeded per parameter name, so each stage draws P=1's values for its
+    own and P=2 must give P=1's tokens; a pool
     small enough to swap and n=2 forks that copy-on-write run every block move on both stages;
     prompt logprobs come back from the last stage with the micro-batches' wanted rows."""
     prompts = [[(7 * i + j) % 1000 + 3 for j in range(30 + 9 * i)] for i in range(4)]

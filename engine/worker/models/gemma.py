@@ -117,10 +117,10 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
 
 class GemmaModel(LlamaModel):
     layer_cls = GemmaDecoderLayer
+    norm_cls = GemmaRMSNorm
 
     def __init__(self, config, max_positions: int):
         super().__init__(config, max_positions)
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_size = config.hidden_size
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,10 @@ rotary pairs adjacent values within a head; ours, HF's rotate_half, pairs the he
 Undoing it is a row permutation, and a quantized row is whole blocks, so the rows' bytes are
 shuffled as stored: the dequantized weights equal transformers' (which un-permutes the same way).
 
+On a pipeline stage the model holds its stage's modules only (engine/worker/stage_layout.py), and
+only their tensors are read: the other stages' layers, and the embedding, the LM head or the final
+norm where another stage holds them, are never touched in the file.
+
 A mixture of experts' expert tensors are 3-D ([experts, rows, K]); each expert's slice becomes
 that expert's own QuantLinear (gate/up merged, down), so moe.SparseMoE runs each expert's
 quantized product on the rows routed to it. The router (`ffn_gate_inp`, F32 as the converter
@@ -43,6 +47,7 @@ from engine.worker.models.registry import model_class
 from engine.worker.models.quant_linear import QUANTIZE_TYPES, QuantEmbedding, QuantLinear, QuantLMHead
 from engine.worker.models.quant_ops import qops
 from engine.worker.models.quantize import log_fallbacks, quantize_to
+from engine.worker.stage_layout import MissingLayer, StageLayout
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +85,12 @@ def _build(f: GGUFFile, mc, device: torch.device) -> nn.Module:
     keep = why_dense is None
     requantize = mc.quantization if keep and mc.quantization in QUANTIZE_TYPES else None
     model = _skeleton(hf, mc.max_model_len, device)
+    stage = StageLayout.of_this_rank(hf.num_hidden_layers)
     kept, dense, fallbacks = Counter(), Counter(), Counter()
     dense_groups = []
     for g in linear_groups(hf, f.arch, split_experts(f.tensors)):
+        if not stage.holds(g.module):  # another pipeline stage's layer
+            continue
         types = [f.tensors[n].qtype for n in g.tensors]
         meta = model.get_submodule(g.module)
         if g.dense_only:
@@ -104,30 +112,33 @@ def _build(f: GGUFFile, mc, device: torch.device) -> nn.Module:
                                               getattr(meta, "feeds_silu_mul", False)))
         _release(f, g)
     tied = hf.tie_word_embeddings
-    embed = f.tensors["token_embd.weight"]
-    if keep and embed.qtype in qops.QUANT_TYPES:
-        packed = qops.quant_pack([(_bytes(f, embed.name, None), embed.qtype)])
-        model.model.embed_tokens = QuantEmbedding(packed, dtype)
-        if tied:
+    if stage.first:  # NOTE: the embedding and the LM head are the first stage's
+        embed = f.tensors["token_embd.weight"]
+        if keep and embed.qtype in qops.QUANT_TYPES:
+            packed = qops.quant_pack([(_bytes(f, embed.name, None), embed.qtype)])
+            model.model.embed_tokens = QuantEmbedding(packed, dtype)
+            if tied:
+                model.lm_head = QuantLMHead(packed, hf.vocab_size)
+            kept[embed.qtype] += 1
+            f.release(embed.name)
+        else:
+            dense[embed.qtype] += 1
+        output = None if tied else f.tensors["output.weight"]
+        if output is not None and keep and output.qtype in qops.QUANT_TYPES:
+            packed = qops.quant_pack([(_bytes(f, output.name, None), output.qtype)])
             model.lm_head = QuantLMHead(packed, hf.vocab_size)
-        kept[embed.qtype] += 1
-        f.release(embed.name)
-    else:
-        dense[embed.qtype] += 1
-    output = None if tied else f.tensors["output.weight"]
-    if output is not None and keep and output.qtype in qops.QUANT_TYPES:
-        model.lm_head = QuantLMHead(qops.quant_pack([(_bytes(f, output.name, None), output.qtype)]), hf.vocab_size)
-        kept[output.qtype] += 1
-        f.release(output.name)
-    elif output is not None:
-        dense[output.qtype] += 1
+            kept[output.qtype] += 1
+            f.release(output.name)
+        elif output is not None:
+            dense[output.qtype] += 1
 
     if requantize:
         log_fallbacks(requantize, fallbacks)
     model.to(dtype=dtype)  # NOTE: after the swap, so only what stays dense is converted (and touched)
     _materialize(model, device)
     with torch.no_grad():
-        _fill_dense(f, model, dense_groups, norm_tensors(hf, f.arch), tied)
+        norms = {g: p for g, p in norm_tensors(hf, f.arch).items() if stage.holds(p)}
+        _fill_dense(f, model, dense_groups, norms, tied)
         _reset_rotary(model, hf, mc.max_model_len)
     if kept:
         logger.info("%s: weights kept as stored: %s", f.path.name, _counts(kept))
@@ -222,6 +233,8 @@ def _fill_dense(f: GGUFFile, model: nn.Module, groups: list[TensorGroup], norms:
     for gguf_name, name in norms.items():
         params[name].copy_(f.dense(gguf_name))
     embed = model.model.embed_tokens
+    if isinstance(embed, MissingLayer):  # on another pipeline stage, with the LM head
+        return
     if not isinstance(embed, QuantEmbedding):
         embed.weight.copy_(f.dense("token_embd.weight"))
         f.release("token_embd.weight")
@@ -236,6 +249,8 @@ def _reset_rotary(model: nn.Module, hf, max_positions: int) -> None:
     head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     fresh = model.model.make_rotary(hf, head_size, max_positions)
     for i, layer in enumerate(model.model.layers):
+        if isinstance(layer, MissingLayer):  # another pipeline stage's
+            continue
         new = fresh[hf.layer_types[i]] if isinstance(fresh, dict) else fresh
         old = layer.self_attn.rotary
         if not isinstance(old, RotaryEmbedding):  # a layer without rotary (SmolLM3's NoPE)

@@ -12,6 +12,10 @@ Another family subclasses what differs and names it in a class attribute one lev
 `LlamaForCausalLM.compiled_stack_unsupported` to the reason, which the start-up log prints. Two
 hooks take the rest: `LlamaModel.embed` (what the first layer takes) and
 `LlamaForCausalLM.config_refusal` (config fields the family does not implement).
+
+On a pipeline-parallel rank the model is built with its stage's modules only (engine/worker/
+stage_layout.py): the other stages' layers, and the embedding, LM head or final norm where
+another stage holds them, are `MissingLayer`s, which hold no weights.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from engine.worker.models.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
+from engine.worker.stage_layout import MissingLayer, StageLayout
 
 
 def config_sliding_window(config) -> int | None:
@@ -126,14 +131,21 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     layer_cls: type[nn.Module] = LlamaDecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm  # the final norm's
 
     def __init__(self, config, max_positions: int):
+        """The decoder; on a pipeline stage its modules only (the module docstring)."""
         super().__init__()
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = self.make_rotary(config, head_size, max_positions)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(self.layer_cls(config, rotary, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        stage = StageLayout.of_this_rank(config.num_hidden_layers)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if stage.first
+                             else MissingLayer())
+        # NOTE: a MissingLayer keeps every layer's index, so that parameter names (what the
+        # loaders match and the dummy weights are seeded by) are the same at any P
+        self.layers = nn.ModuleList(self.layer_cls(config, rotary, i) if i in stage.layers else MissingLayer()
+                                    for i in range(config.num_hidden_layers))
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps) if stage.last else MissingLayer()
         # The layers below as one compiled call per step, where it applies and gives the same
         # floats (engine/worker/models/decoder_stack.py sets it; None: layer by layer).
         self.compiled_stack = None
@@ -186,12 +198,17 @@ class LlamaForCausalLM(nn.Module):
         return None
 
     def __init__(self, config, max_positions: int):
+        """The model; on a pipeline stage other than the first without the LM head (stage 0
+        computes the logits)."""
         super().__init__()
         self.model = self.model_cls(config, max_positions)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tied_parameters: set[str] = set()
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if isinstance(self.model.embed_tokens, MissingLayer):  # the LM head is on the embedding's stage
+            self.lm_head = MissingLayer()
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if getattr(config, "tie_word_embeddings", False):
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, rows=None) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] for the flattened batch; with `rows` (int64 token

