@@ -132,11 +132,7 @@ def test_compose_brings_the_daemon_up_healthy(image):
     Prometheus and Grafana images cannot be pulled here; their configs are checked by parsing."""
     if shutil.which("podman-compose") is None:
         pytest.skip("no podman-compose (pip install podman-compose)")
-    project = f"paged-serve-test-{uuid.uuid4().hex[:8]}"
-    port = free_port()
-    env = {**os.environ, "PAGED_SERVE_HOST_PORT": str(port),
-           "PAGED_SERVE_ARGS": "--kv-cache-memory 256MiB --max-model-len 2048 --metrics-public"}
-    compose_run = compose_command(project, "docker-compose.yml", env)
+    project, port, compose_run = compose_project("docker-compose.yml", "PAGED_SERVE_HOST_PORT")
 
     try:
         up = compose_run("up", "-d", "--no-build", "paged-serve")
@@ -158,6 +154,16 @@ def test_compose_brings_the_daemon_up_healthy(image):
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
     finally:
         compose_run("down", "-t", "1", timeout=300)
+
+
+def compose_project(file: str, port_variable: str, profiles: tuple[str, ...] = ()):
+    """A fresh compose project of `file` whose front listens on a free loopback port (set in
+    `port_variable`), its daemons small: (project, port, compose_run)."""
+    project = f"paged-serve-test-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    env = {**os.environ, port_variable: str(port),
+           "PAGED_SERVE_ARGS": "--kv-cache-memory 256MiB --max-model-len 2048 --metrics-public"}
+    return project, port, compose_command(project, file, env, profiles)
 
 
 def compose_command(project: str, file: str, env: dict, profiles: tuple[str, ...] = ()):
@@ -191,29 +197,40 @@ def replica_requests(name: str) -> float:
     return float(run("podman", "exec", name, "python", "-c", script, timeout=60).stdout)
 
 
+def replicas_then_front(compose_run, project: str, front: str) -> dict[str, str]:
+    """Start docker-compose.replicas.yml's two replicas, wait until they are healthy (what
+    depends_on waits for), then build and start `front` (the balancer or the router). Returns
+    the replicas' container names by service."""
+    up = compose_run("up", "-d", "--no-build", "paged-serve-1", "paged-serve-2")
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    names = {}
+    for service in ("paged-serve-1", "paged-serve-2"):
+        names[service] = run(
+            "podman", "ps", "-q", "--filter", f"label=io.podman.compose.project={project}",
+            "--filter", f"label=io.podman.compose.service={service}", timeout=60).stdout.split()[0]
+        wait_healthy(names[service])
+    build = compose_run("build", front, timeout=900)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    up = compose_run("up", "-d", "--no-deps", front)
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    return names
+
+
+def assert_streams(url: str, model: str, prompt: str) -> None:
+    """A streamed completion through the front arrives as several events, then [DONE]."""
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+            "model": model, "prompt": prompt, "max_tokens": 6, "stream": True}) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+
+
 def test_replicas_answer_through_the_balancer(image):
     """docker-compose.replicas.yml: two daemons behind nginx; requests reach both."""
     if shutil.which("podman-compose") is None:
         pytest.skip("no podman-compose (pip install podman-compose)")
-    project = f"paged-serve-test-{uuid.uuid4().hex[:8]}"
-    port = free_port()
-    env = {**os.environ, "PAGED_SERVE_NGINX_PORT": str(port),
-           "PAGED_SERVE_ARGS": "--kv-cache-memory 256MiB --max-model-len 2048 --metrics-public"}
-    compose_run = compose_command(project, "docker-compose.replicas.yml", env, profiles=("nginx",))
+    project, port, compose_run = compose_project("docker-compose.replicas.yml", "PAGED_SERVE_NGINX_PORT", profiles=("nginx",))
     try:
-        # Replicas first; the balancer once they are healthy (what depends_on waits for).
-        up = compose_run("up", "-d", "--no-build", "paged-serve-1", "paged-serve-2")
-        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
-        names = {}
-        for service in ("paged-serve-1", "paged-serve-2"):
-            names[service] = run(
-                "podman", "ps", "-q", "--filter", f"label=io.podman.compose.project={project}",
-                "--filter", f"label=io.podman.compose.service={service}", timeout=60).stdout.split()[0]
-            wait_healthy(names[service])
-        build = compose_run("build", "balancer", timeout=900)
-        assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
-        up = compose_run("up", "-d", "--no-deps", "balancer")
-        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        names = replicas_then_front(compose_run, project, "balancer")
 
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -231,12 +248,49 @@ def test_replicas_answer_through_the_balancer(image):
                 "model": model, "prompt": f"Request number {i} says", "max_tokens": 4})
             assert response.status_code == 200, response.text
         # Streaming passes through the balancer chunk by chunk.
-        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
-                "model": model, "prompt": "Streaming through nginx", "max_tokens": 6,
-                "stream": True}) as response:
-            events = [line for line in response.iter_lines() if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]" and len(events) >= 3
+        assert_streams(url, model, "Streaming through nginx")
         counts = [replica_requests(name) for name in names.values()]
         assert sum(counts) == 7 and min(counts) >= 1, counts
+    finally:
+        compose_run("down", "-t", "1", timeout=300)
+
+
+def test_replicas_answer_through_the_router(image):
+    """docker-compose.replicas.yml's default front: sglang-router (cache-aware) before two
+    daemons. It registers both (it lists the model), forwards chat and streams, and sends a
+    conversation's next turn to the replica that holds its history (cached prompt tokens)."""
+    if shutil.which("podman-compose") is None:
+        pytest.skip("no podman-compose (pip install podman-compose)")
+    project, port, compose_run = compose_project("docker-compose.replicas.yml", "PAGED_SERVE_HOST_PORT")
+    try:
+        names = replicas_then_front(compose_run, project, "router")
+
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        model = None
+        while model is None:  # the router lists the model once it registered a replica
+            try:
+                listed = httpx.get(f"{url}/v1/models", timeout=5)
+                if listed.status_code == 200 and listed.json().get("data"):
+                    model = listed.json()["data"][0]["id"]
+            except (httpx.HTTPError, ValueError):
+                pass
+            assert model is not None or time.monotonic() < deadline, "the router never listed the model"
+            time.sleep(1)
+        messages = [{"role": "user", "content": "Tell me about the sea, the wind and the boats "
+                     "that sail between the islands in the long summer evenings. " * 4}]
+        for turn in range(3):
+            response = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": model, "messages": messages, "max_tokens": 8, "temperature": 0})
+            assert response.status_code == 200, response.text
+            body = response.json()
+            if turn > 0:  # its history went to the same replica, whose prefix cache held it
+                cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert cached >= body["usage"]["prompt_tokens"] // 2, body["usage"]
+            messages += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": f"And then, part {turn + 2}?"}]
+        assert_streams(url, model, "Streaming through the router")
+        counts = [replica_requests(name) for name in names.values()]
+        assert sum(counts) == 4, counts
     finally:
         compose_run("down", "-t", "1", timeout=300)
