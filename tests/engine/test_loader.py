@@ -32,7 +32,11 @@ def test_unknown_model_fails_clearly(tmp_path):
 
 
 def test_llama3_8b_shaped_config_builds_without_weights():
-    config = EngineArgs(model="llama-3-8b", load_format="dummy", max_model_len=1024).create_engine_config()
+    # NOTE: dtype pinned: with `auto` a CPU with native bf16 times one product per 8B-sized weight
+    # shape in fp32 and bf16 (choose_cpu_dtype: ~10 s of this test on CI, none of what it checks);
+    # that probe has its own tests (tests/unit/test_linear_kernel.py).
+    config = EngineArgs(model="llama-3-8b", load_format="dummy", max_model_len=1024,
+                        dtype="float32").create_engine_config()
     hf = config.model.hf_config
     assert (hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads) == (4096, 32, 32, 8)
 
