@@ -34,7 +34,6 @@ from engine.worker.attention import PagedAttention
 from engine.worker.cache_engine import CacheEngine, kv_layout_for, num_blocks_from_budget, whole_layout
 from engine.worker.models import gguf_weights, linear_kernel
 from engine.worker.models.decoder_stack import use_compiled_stack
-from engine.worker.models.dummy_weights import load_dummy_weights
 from engine.worker.models.layers import use_fused_ops
 from engine.worker.models.registry import model_class
 from engine.worker.models.loader import is_gguf, load_weights
@@ -117,10 +116,7 @@ class ModelRunner:
         with torch.device(device):
             model = model_class(model_config.hf_config)(model_config.hf_config, model_config.max_model_len)
         model.to(dtype=model_config.dtype)
-        if model_config.load_format == "dummy":
-            load_dummy_weights(model, model_config.seed)
-        else:
-            load_weights(model, model_config.path, model_config.load_format, model_config.seed)
+        load_weights(model, model_config.path, model_config.load_format, model_config.seed)  # or dummy ones
         if model_config.quantized:
             why = gguf_weights.kernels_unavailable(device)
             if why is not None:

