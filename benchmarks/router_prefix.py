@@ -215,14 +215,9 @@ def history_bound(records: list[Turn], block_size: int = 16) -> float:
     return hits / total if total else 0.0
 
 
-def block_size_of(replica_flags: list[str]) -> int:
-    """The replicas' --block-size (16, the server's default, when not given)."""
-    for i, flag in enumerate(replica_flags):
-        if flag == "--block-size" and i + 1 < len(replica_flags):
-            return int(replica_flags[i + 1])
-        if flag.startswith("--block-size="):
-            return int(flag.split("=", 1)[1])
-    return 16
+def replica_block_size(url: str) -> int:
+    """The replica's KV block size, as it reports it to routers (/server_info's page_size)."""
+    return int(httpx.get(url + "/server_info", timeout=30).json()["page_size"])
 
 
 def summarize(values: list[float]) -> dict:
@@ -241,6 +236,7 @@ def run_policy(policy: str, args: argparse.Namespace, replica_flags: list[str], 
             stack.callback(stop, proc)
         urls = [url for _, url in started]
         model = httpx.get(urls[0] + "/v1/models", timeout=30).json()["data"][0]["id"]
+        block_size = replica_block_size(urls[0])
         router, router_url = start_router(shlex.split(args.router_cmd) + ["launch"] + shlex.split(args.router_args),
                                           policy, urls, model,
                                           workdir / f"router-{policy}.log")
@@ -268,7 +264,8 @@ def run_policy(policy: str, args: argparse.Namespace, replica_flags: list[str], 
         client_cached_fraction=sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         client_cached_fraction_later_turns=(sum(r.cached_tokens for r in later) / later_prompt
                                             if later_prompt else 0.0),
-        bound=history_bound(ok, block_size_of(replica_flags)), failed=len(records) - len(ok) + (args.conversations * args.turns - len(records)),
+        bound=history_bound(ok, block_size),
+        failed=len(records) - len(ok) + (args.conversations * args.turns - len(records)),
         wall_s=wall, errors=sorted({r.error for r in records if r.error})[:5])
 
 

@@ -45,6 +45,7 @@ def test_each_turn_resends_the_conversation_so_far():
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         records = asyncio.run(router_prefix.run_workload(url, model, workload_args()))
         counters = router_prefix.scrape(url)
+        block_size = router_prefix.replica_block_size(url)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -57,6 +58,7 @@ def test_each_turn_resends_the_conversation_so_far():
             assert turn.prompt_tokens > previous.prompt_tokens + 15
             assert turn.cached_tokens >= previous.prompt_tokens // 16 * 16 - 16  # all but the last blocks
     assert counters["paged_serve:prefix_cache_hits_total"] >= sum(r.cached_tokens for r in records)
+    assert block_size == 16  # the server's default (FLAGS set none)
 
 
 def test_history_bound_counts_the_previous_turn_in_whole_blocks():
@@ -70,8 +72,6 @@ def test_history_bound_counts_the_previous_turn_in_whole_blocks():
                Turn(1, 1, prompt_tokens=141, cached_tokens=0)]                          # min(140, 140) -> 128
     assert router_prefix.history_bound(records) == (16 + 128 + 208 + 0 + 128) / (100 + 180 + 211 + 40 + 141)
     assert router_prefix.history_bound(records, block_size=64) == (16 + 128 + 192 + 0 + 128) / 672
-    assert router_prefix.block_size_of(["--seed", "0", "--block-size", "32"]) == 32
-    assert router_prefix.block_size_of(["--block-size=8"]) == 8 and router_prefix.block_size_of([]) == 16
 
 
 def router_command() -> str | None:
