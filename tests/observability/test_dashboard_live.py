@@ -72,10 +72,17 @@ def test_an_n3_request_shows_three_tables_sharing_its_prompt_blocks(live_server,
         page.click("#request-list li")
         page.wait_for_function("document.querySelectorAll('#tables .seq-table').length == 3",
                                timeout=60_000)
-        tables = page.eval_on_selector_all(
-            "#tables .seq-table",
-            "rows => rows.map(r => [...r.querySelectorAll('.map')].map(m => "
-            "[Number(m.dataset.physical), m.classList.contains('shared')]))")
+        # NOTE: one evaluate reads the tables, the pool's ref counts and its highlight in the
+        # same JS turn: read apart, a poll in between can grow the tables by a block
+        snapshot = page.evaluate("""() => ({
+            tables: [...document.querySelectorAll('#tables .seq-table')].map(r =>
+                [...r.querySelectorAll('.map')].map(m =>
+                    [Number(m.dataset.physical), m.classList.contains('shared')])),
+            counts: [...document.querySelectorAll('#device-grid .block')].map(c => c.innerText),
+            highlighted: [...document.querySelectorAll('#device-grid .block.selected')].map(
+                c => [...c.parentNode.children].indexOf(c)),
+        })""")
+        tables = snapshot["tables"]
         first = [physical for physical, _ in tables[0]]
         assert len(first) >= 2
         for table in tables:
@@ -83,10 +90,8 @@ def test_an_n3_request_shows_three_tables_sharing_its_prompt_blocks(live_server,
             # the prompt's full block: the same physical block in all three, marked shared
             assert physical[0] == first[0] and table[0][1]
         # ... and the pool map shows its ref count
-        assert page.locator("#device-grid .block").nth(first[0]).inner_text() == "3"
-        highlighted = page.eval_on_selector_all(
-            "#device-grid .block.selected", "cells => cells.map(c => [...c.parentNode.children].indexOf(c))")
-        assert set(highlighted) == {p for table in tables for p, _ in table}
+        assert snapshot["counts"][first[0]] == "3"
+        assert set(snapshot["highlighted"]) == {p for table in tables for p, _ in table}
         page.wait_for_selector("#event-log li[data-kind='cow']", timeout=30_000)
         page.screenshot(path=str(screenshot_dir / "dashboard-live-tables.png"), full_page=True)
     finally:
