@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from engine.loop.async_engine import AsyncEngine, EngineDeadError
+from server import heap
 from server.context import ServerContext
 from server.anthropic_errors import error_response as anthropic_error_response, is_anthropic_path
 from server.errors import install_error_handlers
@@ -55,6 +56,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], Any],
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        heap.while_loading()  # until _on_engine_ready's heap.after_loading()
         engine.start()
         watcher = asyncio.ensure_future(_watch_load(engine, on_load_failure))
         try:
@@ -121,20 +123,7 @@ def _on_engine_ready(ctx: ServerContext, llm: Any) -> None:
         logger.exception("metrics could not be set up; /metrics will answer 503")
     logger.info("Serving %s (max_model_len %d); cache: %s", ctx.model_name, ctx.max_model_len,
                 _safe(llm.cache_info))
-    _return_freed_heap()
-
-
-def _return_freed_heap() -> None:
-    """Give the C heap's free pages back to the system once loading is over (glibc only)."""
-    # NOTE: loading frees more than it keeps (the tokenizer's JSON parsed in Python, the GGUF's
-    # repacking buffers, the step-time calibration's activations), and glibc keeps freed pages
-    # of its heaps resident until they are trimmed: 19 MB of the default model's server here.
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
+    heap.after_loading()
 
 
 def _warm_structured_outputs(llm: Any) -> None:
