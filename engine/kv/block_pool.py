@@ -1,11 +1,18 @@
-"""`BlockPool`: a fixed set of KV blocks with reference counts, a FIFO free list, an LRU set of
+"""`BlockPool`: a fixed set of KV blocks with reference counts, a LIFO free list, an LRU set of
 cached (freed but still hashed) blocks, and its usage counted as it changes, so that asking
 how many blocks are used or shared costs O(1) however large the pool.
 
 Free-list order (a tested contract): blocks are handed out lowest id first from a fresh pool;
-freed blocks go to the back of the free list (FIFO). A freed block that holds a full, hashed
-block of tokens is kept as "cached" instead: it can be claimed again by hash, and is evicted
-(its hash dropped) only when the free list is empty, least recently freed first.
+freed blocks go to the front of the free list (LIFO), ahead of the blocks never used. A freed
+block that holds a full, hashed block of tokens is kept as "cached" instead: it can be claimed
+again by hash, and is evicted (its hash dropped) only when the free list is empty, least
+recently freed first.
+
+NOTE: freed blocks first because a pool's memory is resident only where it has been written
+(on a CPU its pages are mapped zeroed on first touch; docs/using.md, "Sizing the KV cache"): a
+never-used block is handed out only when every block used before is taken or cached, so the
+blocks ever touched are the most ever held at once, not, as with a FIFO, the whole pool after a
+while of serving. Nothing is lost for it: a plain freed block holds nothing worth keeping.
 """
 
 from __future__ import annotations
@@ -103,7 +110,7 @@ class BlockPool:
             if block.hash is not None:
                 self.cached[block.block_id] = None
             else:
-                self.free.append(block.block_id)
+                self.free.appendleft(block.block_id)
 
     def reset(self) -> None:
         """Back to a fresh pool (every block free, in id order, no hashes): only when no block

@@ -34,17 +34,18 @@ def grow(bm: BlockManager, seq, token: int = 7, salt=None):
     return cow
 
 
-def test_fresh_pool_hands_out_lowest_ids_and_refills_fifo():
+def test_fresh_pool_hands_out_lowest_ids_and_reuses_freed_blocks_first():
     bm = BlockManager(8, 0, 4)
     a, b = make_group(6, "a"), make_group(3, "b")
     admit(bm, a)
     admit(bm, b)
     assert bm.block_table(a.seqs[0]).tolist() == [0, 1]
     assert bm.block_table(b.seqs[0]).tolist() == [2]
-    bm.free(a.seqs[0])  # freed blocks go to the back of the free list, last block first
+    bm.free(a.seqs[0])  # freed blocks go to the front of the free list, last block first
+    assert list(bm.device.free) == [0, 1, 3, 4, 5, 6, 7]
     c = make_group(20, "c")
     admit(bm, c)
-    assert bm.block_table(c.seqs[0]).tolist() == [3, 4, 5, 6, 7]
+    assert bm.block_table(c.seqs[0]).tolist() == [0, 1, 3, 4, 5]
     bm.free(b.seqs[0])
     bm.free(c.seqs[0])
     bm.check_integrity()
@@ -106,15 +107,16 @@ def test_prefix_cache_reuses_blocks_and_evicts_least_recently_freed():
     bm.free(a.seqs[0])
     bm.free(b.seqs[0])
     bm.check_integrity()
-    # free list: 4, 5 (never used), then a's partial block 2 and b's private block 3;
-    # the shared prompt blocks are cached, in the order their last reference went: 1, 0
-    assert list(bm.device.free) == [4, 5, 2, 3]
+    # free list: b's private block 3 and a's partial block 2 (freed last first), then 4, 5
+    # (never used); the shared prompt blocks are cached, in the order their last reference
+    # went: 1, 0
+    assert list(bm.device.free) == [3, 2, 4, 5]
     assert list(bm.device.cached) == [1, 0]
     old_hashes = {bm.device.blocks[0].hash, bm.device.blocks[1].hash}
     c = make_group(24, "c", first_token=500)  # 6 blocks: takes every free block, then evicts 1, 0
     assert bm.can_allocate(c) is AllocStatus.OK
     bm.allocate(c)
-    assert bm.block_table(c.seqs[0]).tolist() == [4, 5, 2, 3, 1, 0]
+    assert bm.block_table(c.seqs[0]).tolist() == [3, 2, 4, 5, 1, 0]
     assert not bm.device.cached and not old_hashes & set(bm.device.by_hash)  # evicted
     bm.free(c.seqs[0])
     bm.check_integrity()
@@ -169,7 +171,7 @@ def test_prompt_logprobs_request_computes_its_whole_prompt_but_publishes_its_blo
     bm.free(p.seqs[0])
     b = make_group(9, "b")
     bm.allocate(b)
-    assert bm.block_table(b.seqs[0]).tolist() == [0, 1, 3]
+    assert bm.block_table(b.seqs[0]).tolist() == [0, 1, 2]  # its partial block 2 freed, reused
     assert bm.num_computed_tokens(b.seqs[0]) == 8
     assert (bm.prefix_queries, bm.prefix_hits) == (9, 8)
     # Scores gathered for positions 0..5 (a recompute part way through the prompt): the cache
@@ -207,11 +209,11 @@ def test_cached_prefix_hits_cost_no_tokens_and_live_ones_no_free_block():
     bm.free(a.seqs[0])
     bm.free(b.seqs[0])
     bm.check_integrity()
-    assert (list(bm.device.free), list(bm.device.cached)) == ([2, 3], [1, 0])
+    assert (list(bm.device.free), list(bm.device.cached)) == ([3, 2], [1, 0])
 
-    x = make_group(7, "x", first_token=500)  # takes the 2 free blocks: 2 (full), 3
+    x = make_group(7, "x", first_token=500)  # takes the 2 free blocks: 3 (full), 2
     admit(bm, x)
-    assert bm.block_table(x.seqs[0]).tolist() == [2, 3]
+    assert bm.block_table(x.seqs[0]).tolist() == [3, 2]
     d = make_group(9, "d")  # hits cached 0 and 1 (unreferenced): each takes a pool block
     before = pool_state(bm)
     assert bm.num_tokens_to_compute(d) == 1
@@ -221,7 +223,7 @@ def test_cached_prefix_hits_cost_no_tokens_and_live_ones_no_free_block():
     bm.free(x.seqs[0])
     assert bm.can_allocate(d) is AllocStatus.OK
     bm.allocate(d)
-    assert bm.block_table(d.seqs[0]).tolist() == [0, 1, 3]
+    assert bm.block_table(d.seqs[0]).tolist() == [0, 1, 2]  # x's partial 2, freed; its full 3 cached
     assert bm.num_uncomputed_tokens(d.seqs[0]) == 1
     bm.free(d.seqs[0])
     bm.check_integrity()
@@ -291,9 +293,11 @@ def admit_checked(bm: BlockManager, g: SequenceGroup) -> None:
        prefix=st.booleans())
 def test_random_walk_keeps_invariants(seed, block_size, prefix):
     """allocate / append / fork / swap / free at random: no leak, ref counts match the tables,
-    every token has a slot, copy-on-write only when a shared partial block is written."""
+    every token has a slot, copy-on-write only when a shared partial block is written, and the
+    blocks ever written are no more than the most held at once (freed ones are reused first)."""
     rng = random.Random(seed)
     bm = BlockManager(48, 24, block_size, enable_prefix_caching=prefix)
+    touched = {"device": watch_touches(bm.device), "cpu": watch_touches(bm.cpu)}
     live: list[SequenceGroup] = []
     swapped: list[SequenceGroup] = []
     for step in range(120):
@@ -365,11 +369,30 @@ def test_random_walk_keeps_invariants(seed, block_size, prefix):
             (live if g in live else swapped).remove(g)
         bm.check_integrity()
         check_read_only_views(bm, live, swapped)
+        for ids, most_held in touched.values():
+            # a never-used block only when every block used before was taken or cached
+            assert len(ids) == most_held[0]
     for g in live + swapped:
         for seq in g.seqs:
             bm.free(seq)
     bm.check_integrity()
     assert bm.all_free()
+
+
+def watch_touches(pool) -> tuple[set[int], list[int]]:
+    """Record, as `pool` hands blocks out, every block id it ever handed out and the most
+    blocks it ever held at once (in use or cached), the high point only an allocation reaches."""
+    ids, most_held = set(), [0]
+    allocate = pool.allocate
+
+    def counted():
+        block = allocate()
+        ids.add(block.block_id)
+        most_held[0] = max(most_held[0], pool.num_used + len(pool.cached))
+        return block
+
+    pool.allocate = counted
+    return ids, most_held
 
 
 def check_read_only_views(bm: BlockManager, live: list[SequenceGroup], swapped: list[SequenceGroup]) -> None:

@@ -64,7 +64,9 @@ def test_warm_hit_reuses_blocks_and_decodes_like_a_cold_run(make_llm, monkeypatc
 
     assert warm.num_cached_tokens == 96  # every full prompt block; the rest is computed
     assert tables["warm"][0][:6] == tables["first"][0][:6]  # the same physical blocks
-    assert tables["warm"][0][6] != tables["first"][0][6]  # the partial block is computed anew
+    # the partial block is computed anew (num_cached_tokens), into the block that "first" freed:
+    # freed blocks are handed out before never-used ones
+    assert tables["warm"][0][6] == tables["first"][0][6]
     assert first.outputs[0].token_ids == warm.outputs[0].token_ids == cold
     assert stats1.prefix_cache_queries_total - stats0.prefix_cache_queries_total == 100
     assert stats1.prefix_cache_hits_total - stats0.prefix_cache_hits_total == 96
@@ -94,7 +96,7 @@ def test_whole_cached_prompt_recomputes_only_its_last_block(make_llm, monkeypatc
 
 def test_eviction_order_is_least_recently_used_first(make_llm):
     """A scripted series on a fresh 10-block pool, with exact block ids: freed full blocks stay
-    cached (last block first in line), plain free blocks are handed out first (FIFO), and cached
+    cached (last block first in line), plain freed blocks are handed out first (before never-used ones), and cached
     ones are evicted least recently used first, so a prefix used again survives an older one."""
     llm = make_llm(block_size=BLOCK, enable_prefix_caching=True, num_gpu_blocks_override=10, max_model_len=160)
     engine, bm = llm.engine, llm.engine.block_manager
@@ -109,20 +111,20 @@ def test_eviction_order_is_least_recently_used_first(make_llm):
         """Run one request alone; the prompt tokens it found cached."""
         return run(engine, [(rid, ids, one)])[rid].num_cached_tokens
 
-    # Each request's blocks are freed last block first: the partial one goes to the back of the
+    # Each request's blocks are freed last block first: the partial one goes to the front of the
     # free list, full ones join the cached set (oldest first), deepest block first.
     assert serve("A", a) == 0  # blocks 0, 1, 2
-    assert list(bm.device.free) == [3, 4, 5, 6, 7, 8, 9, 2] and list(bm.device.cached) == [1, 0]
-    assert serve("B", b) == 0  # blocks 3, 4, 5
-    assert list(bm.device.free) == [6, 7, 8, 9, 2, 5] and list(bm.device.cached) == [1, 0, 4, 3]
-    assert serve("A again", a) == 32  # blocks 0, 1 from the cache, its tail in 6
-    assert list(bm.device.free) == [7, 8, 9, 2, 5, 6] and list(bm.device.cached) == [4, 3, 1, 0]
-    assert serve("D", d) == 0  # 8 blocks: the 6 free ones, then evicts B's 4 and 3
-    assert list(bm.device.free) == [3] and list(bm.device.cached) == [1, 0, 4, 6, 5, 2, 9, 8, 7]
+    assert list(bm.device.free) == [2, 3, 4, 5, 6, 7, 8, 9] and list(bm.device.cached) == [1, 0]
+    assert serve("B", b) == 0  # blocks 2 (A's freed partial one), 3, 4
+    assert list(bm.device.free) == [4, 5, 6, 7, 8, 9] and list(bm.device.cached) == [1, 0, 3, 2]
+    assert serve("A again", a) == 32  # blocks 0, 1 from the cache, its tail in 4
+    assert list(bm.device.free) == [4, 5, 6, 7, 8, 9] and list(bm.device.cached) == [3, 2, 1, 0]
+    assert serve("D", d) == 0  # 8 blocks: the 6 free ones, then evicts B's 3 and 2
+    assert list(bm.device.free) == [2] and list(bm.device.cached) == [1, 0, 3, 9, 8, 7, 6, 5, 4]
     assert serve("A third", a) == 32  # used more recently than B: A's blocks survived D
-    assert list(bm.device.free) == [3] and list(bm.device.cached) == [4, 6, 5, 2, 9, 8, 7, 1, 0]
-    assert serve("B again", b) == 0  # B's were evicted; takes 3, then evicts D's deepest: 4, 6
-    assert list(bm.device.free) == [6] and list(bm.device.cached) == [5, 2, 9, 8, 7, 1, 0, 4, 3]
+    assert list(bm.device.free) == [2] and list(bm.device.cached) == [3, 9, 8, 7, 6, 5, 4, 1, 0]
+    assert serve("B again", b) == 0  # B's were evicted; takes 2, then evicts D's deepest: 3, 9
+    assert list(bm.device.free) == [9] and list(bm.device.cached) == [8, 7, 6, 5, 4, 1, 0, 3, 2]
     bm.check_integrity()
 
 
