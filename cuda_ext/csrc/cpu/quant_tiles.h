@@ -44,11 +44,21 @@ struct ActTile {
 // 20 -> 38-40; q4_0 / q4_1 sixteen blocks ahead (4.6 / 5.1 KB) +7% / +11%; q8_0 none (-8%: its
 // 544-byte blocks are the leanest stream, and a prefetch per line cost more than it won).
 // Medians of 5 in-process rounds, one thread, weights rotating over 256 MiB (Zen 5 EPYC).
-template <int kBytes, int kAhead>
+// NOTE: the K types' panels into L2 (T1), not L1 (T0): on a Zen 4 EPYC a T0 burst of a panel's
+// ~40-50 lines stalled the kernel: two threads from DRAM, q4_k 20-24 -> 37-41 GB/s, q6_k 13-15
+// -> 31-38 (sum() 43-48 in the same rounds); the 1.7B Q4_K_M model 60-64 -> 39-44 ms a token.
+// q4_0 / q4_1 (sixteen small blocks ahead) measured the same either way and keep T0. (The Zen 5
+// figures above are T0's; not remeasured there.)
+template <int kBytes, int kAhead, bool kToL1 = false>
 inline void prefetch_ahead(const uint8_t* p) {
 #if defined(__SSE__)
   _Pragma("GCC unroll 64") for (int o = 0; o < kBytes; o += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * kBytes + o), _MM_HINT_T0);
+    const char* line = reinterpret_cast<const char*>(p + kAhead * kBytes + o);
+    if constexpr (kToL1) {
+      _mm_prefetch(line, _MM_HINT_T0);
+    } else {
+      _mm_prefetch(line, _MM_HINT_T1);
+    }
   }
 #else
   (void)p;
@@ -102,7 +112,7 @@ struct Tiles {
     constexpr int kBytes = kMin ? 320 : 288, kQs = kMin ? 64 : 32;
     const int8_t* x = t.q;
     for (int64_t b = 0; b < blocks; ++b, w += kBytes, x += 32 * MR) {
-      prefetch_ahead<kBytes, 16>(w);
+      prefetch_ahead<kBytes, 16, true>(w);
       const F dw = V::f16(reinterpret_cast<const uint16_t*>(w) + lane);
       I part[MR][kSplit], sum[MR];
       PS_UNROLL for (int m = 0; m < MR; ++m) {
