@@ -96,8 +96,9 @@ def test_whole_cached_prompt_recomputes_only_its_last_block(make_llm, monkeypatc
 
 def test_eviction_order_is_least_recently_used_first(make_llm):
     """A scripted series on a fresh 10-block pool, with exact block ids: freed full blocks stay
-    cached (last block first in line), plain freed blocks are handed out first (before never-used ones), and cached
-    ones are evicted least recently used first, so a prefix used again survives an older one."""
+    cached (last block first in line), plain freed blocks are handed out first (before
+    never-used ones), and cached ones are evicted least recently used first, so a prefix used
+    again survives an older one."""
     llm = make_llm(block_size=BLOCK, enable_prefix_caching=True, num_gpu_blocks_override=10, max_model_len=160)
     engine, bm = llm.engine, llm.engine.block_manager
     assert list(bm.device.free) == list(range(10)) and not bm.device.cached, "needs a fresh engine"

@@ -4,6 +4,7 @@ the system when freed); once it has loaded, a step's buffers come from the heap 
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -34,7 +35,8 @@ _PROBE = textwrap.dedent("""
 
 
 def _mapped(mode: str) -> str:
-    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])  # where `server` imports from
     return out.stdout.strip()
 
 
