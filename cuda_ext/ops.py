@@ -340,7 +340,7 @@ def quant_info(packed: Tensor) -> tuple[int, int, list[tuple[str, int]]]:
 def quant_matmul(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
     """x W^T (+ bias) for x ``[..., K]`` float32 or bfloat16 and W packed by :func:`quant_pack`;
     ``[..., N]`` in x's dtype. The activations are quantized per block to int8 as llama.cpp does
-    (q8_0 for q8_0 / q4_0 / q4_1 segments, q8_K for the K types), once per call; integer dot
+    (q8_0 for the legacy types' segments, q8_K for the K types), once per call; integer dot
     products, fp32 accumulation. Equals :func:`cuda_ext.reference.quant_matmul_ggml` to fp32
     summation order."""
     if quant_available():
@@ -379,8 +379,9 @@ def quant_dequantize(packed: Tensor) -> Tensor:
 
 def quantize_weight(w: Tensor, qtype: str) -> Tensor:
     """A float weight ``[N, K]`` quantized to `qtype` and packed (for fp checkpoints served with
-    ``--quantization``). q8_0 / q4_0 / q4_1 are ggml's reference quantizers, byte for byte
-    gguf.quants.quantize's; the K types a least-squares fit per sub-block (csrc/cpu/quant_quantize.cpp)."""
+    ``--quantization``). The legacy types (q8_0 / q4_0 / q4_1 / q5_0 / q5_1) are ggml's reference
+    quantizers, byte for byte gguf.quants.quantize's; the K types a least-squares fit per sub-block
+    (csrc/cpu/quant_quantize.cpp)."""
     reference.quant_block(qtype)
     if not quant_available():
         return reference.quant_pack([(reference.quantize_ggml(w, qtype), qtype)])

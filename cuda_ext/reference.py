@@ -184,8 +184,8 @@ def silu_and_mul(x: Tensor) -> Tensor:
 # The reference keeps ggml's rows as given behind the same header (layout 1); its products
 # dequantize with gguf.quants.dequantize and quantize the activations as the kernels do.
 
-QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
-GGML_TYPE_IDS = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+GGML_TYPE_IDS = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q4_k": 12, "q5_k": 13, "q6_k": 14}
 _QUANT_NAMES = {v: k for k, v in GGML_TYPE_IDS.items()}
 QUANT_MAGIC = 0x31544E4155515350  # "PSQUANT1"
 QUANT_VERSION = 1
@@ -350,12 +350,12 @@ def quant_embedding(packed: Tensor, ids: Tensor) -> Tensor:
 
 
 def quantize_ggml(weight: Tensor, qtype: str) -> Tensor:
-    """weight [N, K] as ggml blocks [N, row_bytes] (gguf.quants.quantize: q8_0, q4_0, q4_1)."""
+    """weight [N, K] as ggml blocks [N, row_bytes] (gguf.quants.quantize: the legacy types)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
     quant_block(qtype)
-    if qtype not in ("q8_0", "q4_0", "q4_1"):
+    if qtype not in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"):
         raise NotImplementedError(f"gguf-py has no {qtype} quantizer: quantizing to it needs the compiled ops")
     w = weight.detach().float().contiguous().numpy()
     return torch.from_numpy(quantize(w, GGMLQuantizationType(GGML_TYPE_IDS[qtype])).copy())

@@ -37,7 +37,7 @@ def parse_size(value: int | float | str) -> int:
 
 # --quantization: "auto" serves a GGUF's tensors as stored (none for an fp checkpoint), "none"
 # dequantizes everything, a type quantizes the decoder's other linear layers to it at load
-QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_k")
+QUANTIZATIONS = ("auto", "none", "q8_0", "q5_1", "q5_0", "q4_0", "q4_k")
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ from tests.engine.tiny_gguf import gguf_dequantized, llama_cpp_permute, tiny_hf_
 
 REPO = Path(__file__).resolve().parents[2]
 # (offset of an f16 scale in a block) per type: random blocks get finite scales there
-_F16_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+_F16_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2),
+               "q6_k": (208,)}
 
 
 def random_blocks(qtype: str, rows: int, k: int, seed: int) -> torch.Tensor:
@@ -62,7 +63,7 @@ def gguf_reference(raw: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[qtype.upper()]))
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])
 def test_packed_weights_dequantize_as_gguf_py_and_multiply(qtype):
     k = 512
     raw = random_blocks(qtype, 48, k, seed=len(qtype) + ord(qtype[1]))
@@ -170,8 +171,10 @@ def test_quantized_greedy_output_matches_the_dequantized_models_first_tokens(mak
 # mean KL / top-1: auto (the file's own Q4_1) 0.0027 / 0.969; its dequantized checkpoint quantized by
 # our quantizer: q8_0 0.0031 / 0.966, q4_k 0.0082 / 0.949 (576-wide rows fall back to q8_0, as
 # llama-quantize falls back), q4_0 0.29 / 0.686 (Q4_1's weights rounded again to a symmetric grid:
-# llama-perplexity measures 0.31 / 0.682 on llama.cpp's own Q4_0 of them, benchmarks/quant_quality.py).
-QUALITY_BOUNDS = {"auto": (0.01, 0.93), "q8_0": (0.01, 0.93), "q4_k": (0.03, 0.9), "q4_0": (0.45, 0.6)}
+# llama-perplexity measures 0.31 / 0.682 on llama.cpp's own Q4_0 of them, benchmarks/quant_quality.py),
+# q5_0 0.073 / 0.835 and q5_1 0.109 / 0.799 (Q4_1's 16 levels a block fall between a 5-bit grid's 32).
+QUALITY_BOUNDS = {"auto": (0.01, 0.93), "q8_0": (0.01, 0.93), "q5_1": (0.16, 0.75), "q5_0": (0.11, 0.78),
+                  "q4_k": (0.03, 0.9), "q4_0": (0.45, 0.6)}
 
 
 _REFERENCE: dict[str, tuple] = {}
@@ -246,19 +249,22 @@ IDS = [5, 17, 33, 2, 250, 77, 8, 100, 9, 1, 42, 300]
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_gguf_gives_hf_logits_and_its_quantized_layers_gguf_pys_weights(tmp_path, arch, caplog):
     """Written as llama.cpp writes it (Llama Q/K permuted): all-F32 it is a dense model with HF's
-    logits; Q8_0 with a Q5_0 v, q/k/v goes dense (named in one log line), the rest is packed."""
+    logits; Q8_0 with an F16 v, q/k/v goes dense (named in one log line), the rest is packed (a Q5_1
+    up beside a Q8_0 gate, a Q5_0 down: llama-quantize's fallbacks where rows are not whole 256s)."""
     hf = tiny_hf_model(arch)
     with torch.no_grad():
         want = hf(torch.tensor([IDS])).logits[0, -1]
     dense = _runner(str(write_gguf(tmp_path / "f32.gguf", hf, arch)))
     assert not [m for m in dense.model.modules() if isinstance(m, QuantLinear)]
     assert torch.allclose(_last_logits(dense, IDS), want, atol=1e-4, rtol=1e-4)
-    path = write_gguf(tmp_path / "q8.gguf", hf, arch, types={"attn_v": "Q5_0", "weight": "Q8_0"})
+    path = write_gguf(tmp_path / "q8.gguf", hf, arch, types={"attn_v": "F16", "ffn_down": "Q5_0", "ffn_up": "Q5_1",
+                                                                  "weight": "Q8_0"})
     with caplog.at_level("INFO"):
         quant = _runner(str(path))
     attn, mlp = quant.model.model.layers[1].self_attn, quant.model.model.layers[1].mlp
     assert isinstance(attn.qkv_proj, ColumnParallelLinear) and isinstance(mlp.gate_up_proj, QuantLinear)
-    assert "no quantized kernel for Q5_0: 6 tensors (Q8_0 x 4, Q5_0 x 2) served dense in float32" in caplog.text
+    assert mlp.gate_up_proj.segments == [("q8_0", 512), ("q5_1", 512)] and mlp.down_proj.segments == [("q5_0", 256)]
+    assert "no quantized kernel for F16: 6 tensors (Q8_0 x 4, F16 x 2) served dense in float32" in caplog.text
     assert torch.equal(mlp.down_proj.dequantized(), gguf_dequantized(path, "blk.1.ffn_down.weight"))
     q = gguf_dequantized(path, "blk.1.attn_q.weight")
     if arch == "llama":
@@ -331,8 +337,8 @@ def test_quantization_q8_0_quantizes_an_fp_checkpoints_linear_layers(tmp_path):
     assert not isinstance(runner.model.model.embed_tokens, QuantEmbedding)  # the embedding stays dense
     assert F.cosine_similarity(_last_logits(runner, IDS), want, dim=0) > 0.995
     assert _runner(str(tmp_path / "tiny")).model.model.layers[0].mlp.down_proj.__class__ is RowParallelLinear
-    with pytest.raises(ValueError, match="quantization must be one of auto, none, q8_0, q4_0, q4_k"):
-        EngineArgs(model=str(tmp_path / "tiny"), quantization="q5_0").create_engine_config()
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, q8_0, q5_1, q5_0, q4_0, q4_k"):
+        EngineArgs(model=str(tmp_path / "tiny"), quantization="q3_k").create_engine_config()
     assert parse_args([str(tmp_path / "tiny"), "--quantization", "q8_0"]).engine_args.quantization == "q8_0"
     assert parse_args([]).engine_args.quantization == "auto"
 

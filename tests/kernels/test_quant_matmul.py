@@ -21,7 +21,7 @@ from cuda_ext import build, ops, reference
 from tests.kernels.kernel_cases import require_compiled
 
 REPO = Path(__file__).resolve().parents[2]
-LEGACY = ("q8_0", "q4_0", "q4_1")
+LEGACY = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 K_TYPES = ("q4_k", "q5_k", "q6_k")
 ROWS = (1, 2, 3, 5, 17, 64)
 
@@ -114,19 +114,21 @@ def test_product_matches_the_float64_reference(qtype, rows):
 def mixed_parts() -> list[tuple[torch.Tensor, str]]:
     """A merged product of three segments and both activation kinds (K = 512 suits them all)."""
     return [(random_blocks("q4_k", 20, 512, 1), "q4_k"), (random_blocks("q6_k", 13, 512, 2), "q6_k"),
-            (random_blocks("q8_0", 7, 512, 3), "q8_0"), (random_blocks("q4_1", 16, 512, 4), "q4_1")]
+            (random_blocks("q8_0", 7, 512, 3), "q8_0"), (random_blocks("q4_1", 16, 512, 4), "q4_1"),
+            (random_blocks("q5_0", 9, 512, 11), "q5_0"), (random_blocks("q5_1", 3, 512, 12), "q5_1")]
 
 
 def test_mixed_segments_bias_and_bf16():
     parts = mixed_parts()
     packed = ops.quant_pack(parts)
-    assert ops.quant_info(packed) == (56, 512, [("q4_k", 20), ("q6_k", 13), ("q8_0", 7), ("q4_1", 16)])
+    assert ops.quant_info(packed) == (68, 512, [("q4_k", 20), ("q6_k", 13), ("q8_0", 7), ("q4_1", 16), ("q5_0", 9),
+                                                ("q5_1", 3)])
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, 3, 512, generator=gen)  # any leading shape
-    bias = torch.randn(56, generator=gen)
+    bias = torch.randn(68, generator=gen)
     got = ops.quant_matmul(x, packed, bias)
-    assert got.shape == (2, 3, 56)
-    check_product(got.view(6, 56), x.view(6, 512), parts, bias)
+    assert got.shape == (2, 3, 68)
+    check_product(got.view(6, 68), x.view(6, 512), parts, bias)
     wide = torch.randn(5, 600, generator=gen)[:, 40:552]  # rows 600 floats apart
     check_product(ops.quant_matmul(wide, packed), wide, parts)
     xb = x.view(6, 512).bfloat16()
@@ -134,7 +136,7 @@ def test_mixed_segments_bias_and_bf16():
     assert got.dtype == torch.bfloat16
     want = ops.quant_matmul(xb.float(), packed, bias.bfloat16().float())  # the same ints, fp32 out
     torch.testing.assert_close(got, want.bfloat16(), rtol=0, atol=0)
-    assert ops.quant_matmul(torch.empty(0, 512), packed).shape == (0, 56)
+    assert ops.quant_matmul(torch.empty(0, 512), packed).shape == (0, 68)
 
 
 def test_silu_mul():
@@ -167,9 +169,10 @@ def test_dequantize_and_embedding_are_gguf_floats(qtype):
 
 
 # Round trip error of quantize_weight on N(0, 1) weights, as a share of their RMS; measured
-# (2048 x 2048): q8_0 0.0053, q4_0 0.086, q4_1 0.078 (ggml's quantizers), q4_k 0.074, q5_k 0.037,
-# q6_k 0.019 (quant_quantize.cpp's fits).
-ROUND_TRIP = {"q8_0": 0.006, "q4_0": 0.095, "q4_1": 0.085, "q4_k": 0.08, "q5_k": 0.041, "q6_k": 0.021}
+# (2048 x 2048): q8_0 0.0053, q4_0 0.086, q4_1 0.078, q5_0 0.043, q5_1 0.038 (ggml's quantizers),
+# q4_k 0.074, q5_k 0.037, q6_k 0.019 (quant_quantize.cpp's fits).
+ROUND_TRIP = {"q8_0": 0.006, "q4_0": 0.095, "q4_1": 0.085, "q5_0": 0.047, "q5_1": 0.042, "q4_k": 0.08, "q5_k": 0.041,
+              "q6_k": 0.021}
 
 
 @pytest.mark.parametrize("qtype", LEGACY + K_TYPES)
@@ -220,8 +223,8 @@ def test_bad_inputs_are_refused():
     with pytest.raises(RuntimeError, match="packed segments cover 19 rows and 4864 bytes, the header says 20"):
         ops.quant_matmul(x, bad)
     bad = packed.clone()
-    bad[8 * 8: 8 * 9] = torch.tensor([7], dtype=torch.int64).view(torch.uint8)  # a type id not served
-    with pytest.raises(RuntimeError, match="ggml type id 7, not a served type"):
+    bad[8 * 8: 8 * 9] = torch.tensor([10], dtype=torch.int64).view(torch.uint8)  # a type id not served (q2_k)
+    with pytest.raises(RuntimeError, match="ggml type id 10, not a served type"):
         ops.quant_dequantize(bad)
     with pytest.raises(RuntimeError, match="packed must be the contiguous 1-D uint8"):
         ops.quant_matmul(x, packed.view(-1, 64))

@@ -21,6 +21,10 @@
 //   q8_0 (32 k, 544): d[16] | 8 groups: group i = k 4i..4i+3 (int8)
 //   q4_0 (32 k, 288): d[16] | 4 groups: low nibbles k 4i.., high nibbles k 16+4i.. (q - 8)
 //   q4_1 (32 k, 320): d[16] | m[16] | 4 groups as q4_0 (d q + m)
+//   q5_0 (32 k, 352): d[16] | qh[16][4]: bit j of lane r's byte b is the fifth bit of
+//       e = 4 (j % 4) + b + 16 (j / 4), i.e. of group j's low nibbles (j < 4), of group
+//       j - 4's high ones (j >= 4) | 4 groups as q4_0 (q - 16)
+//   q5_1 (32 k, 384): d[16] | m[16] | qh as q5_0's | 4 groups as q4_0 (d q + m)
 //   q4_k (256 k, 2368): d[16] | dmin[16] | sc[8][16] u8 | mn[4][16][2] u8 (the mins of
 //       sub-blocks 2p, 2p+1 side by side, for vpmaddwd) | 4 chunks x 8 groups: chunk c group
 //       i: low nibbles e = 64c + 4i.., high e = 64c + 32 + 4i.. (d sc q - dmin m, per 32)
@@ -52,7 +56,7 @@ constexpr int64_t kMaxSegments = 64;
 constexpr int64_t kAlign = 64;
 
 // ggml's type ids (GGMLQuantizationType).
-enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 struct TypeInfo {
   Type type;
@@ -65,7 +69,8 @@ struct TypeInfo {
 
 inline constexpr TypeInfo kTypes[] = {
     {kQ8_0, "q8_0", 32, 34, 544, false},    {kQ4_0, "q4_0", 32, 18, 288, false},
-    {kQ4_1, "q4_1", 32, 20, 320, false},    {kQ4_K, "q4_k", 256, 144, 2368, true},
+    {kQ4_1, "q4_1", 32, 20, 320, false},    {kQ5_0, "q5_0", 32, 22, 352, false},
+    {kQ5_1, "q5_1", 32, 24, 384, false},    {kQ4_K, "q4_k", 256, 144, 2368, true},
     {kQ5_K, "q5_k", 256, 176, 2880, true},  {kQ6_K, "q6_k", 256, 210, 3360, true},
 };
 
@@ -80,7 +85,7 @@ inline const TypeInfo* find_type(int64_t id) {
 inline const TypeInfo& type_info(int64_t id, const char* op) {
   const TypeInfo* t = find_type(id);
   PS_CHECK(t != nullptr, op, ": ggml type id ", id, " is not one of the served types (q8_0 8, q4_0 2, q4_1 3, ",
-           "q4_k 12, q5_k 13, q6_k 14)");
+           "q5_0 6, q5_1 7, q4_k 12, q5_k 13, q6_k 14)");
   return *t;
 }
 

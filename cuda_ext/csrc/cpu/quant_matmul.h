@@ -1,8 +1,8 @@
 // Integer-dot-product products over GGUF-quantized weights kept as stored (CPU): the ops of
 // quant_pack.cpp, quant_quantize.cpp and quant_matmul.cpp, declared for bindings.cpp and for
 // decoder_stack.cpp, which calls the products of a model whose linear layers hold packed weights.
-// The packed format: quant_format.h. Types: ggml's ids (q8_0 8, q4_0 2, q4_1 3, q4_k 12, q5_k 13,
-// q6_k 14).
+// The packed format: quant_format.h. Types: ggml's ids (q8_0 8, q4_0 2, q4_1 3, q5_0 6, q5_1 7,
+// q4_k 12, q5_k 13, q6_k 14).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -7,6 +7,8 @@
 //   q8_0 (34): d, qs[32] int8
 //   q4_0 (18): d, qs[16]: element j low nibble of qs[j], element 16 + j high (q - 8)
 //   q4_1 (20): d, m, qs[16] as q4_0 (d q + m)
+//   q5_0 (22): d, qh (uint32: bit j the fifth bit of element j), qs[16] as q4_0 (q - 16)
+//   q5_1 (24): d, m, qh, qs[16] as q5_0 (d q + m)
 //   q4_k (144): d, dmin, scales[12] (8 6-bit scales and mins), qs[128]: elements 64c + l and
 //       64c + 32 + l the low and high nibbles of qs[32c + l]
 //   q5_k (176): d, dmin, scales[12], qh[32] (bit s of qh[l]: fifth bit of element 32s + l), qs[128]
@@ -61,6 +63,23 @@ void pack_block(Type type, const uint8_t* const* src, int n, uint8_t* dst) {
         std::memcpy(dst + 32 + 2 * r, s + 2, 2);
         for (int i = 0; i < 4; ++i) group4(64 + 64 * i, s + 4 + 4 * i);
         break;
+      case kQ5_0:
+      case kQ5_1: {
+        const bool q51 = type == kQ5_1;
+        std::memcpy(dst + 2 * r, s, 2);
+        if (q51) std::memcpy(dst + 32 + 2 * r, s + 2, 2);
+        const uint8_t* qh = s + (q51 ? 4 : 2);
+        const uint32_t bits = qh[0] | qh[1] << 8 | qh[2] << 16 | static_cast<uint32_t>(qh[3]) << 24;
+        for (int b = 0; b < 4; ++b) {
+          uint8_t v = 0;
+          for (int j = 0; j < 8; ++j) {
+            v = static_cast<uint8_t>(v | ((bits >> (4 * (j % 4) + b + 16 * (j / 4))) & 1) << j);
+          }
+          dst[(q51 ? 64 : 32) + 4 * r + b] = v;
+        }
+        for (int i = 0; i < 4; ++i) group4((q51 ? 128 : 96) + 64 * i, qh + 4 + 4 * i);
+        break;
+      }
       case kQ4_K:
       case kQ5_K: {
         std::memcpy(dst + 2 * r, s, 2);
@@ -138,6 +157,18 @@ void dequant_block(Type type, const uint8_t* w, int r, float* out) {
         const int b = byte(q41 ? 64 : 32, e % 16);
         const int q = e < 16 ? b & 0xF : b >> 4;
         out[e] = q41 ? rounded(d * static_cast<float>(q)) + m : d * static_cast<float>(q - 8);
+      }
+      break;
+    }
+    case kQ5_0:
+    case kQ5_1: {
+      const bool q51 = type == kQ5_1;
+      const int qh = q51 ? 64 : 32;
+      const float d = half(w + 2 * r), m = q51 ? half(w + 32 + 2 * r) : 0.f;
+      for (int e = 0; e < 32; ++e) {
+        const int b = byte(qh + 64, e % 16), j = e % 16 / 4 + 4 * (e / 16);
+        const int q = (e < 16 ? b & 0xF : b >> 4) | ((w[qh + 4 * r + e % 4] >> j) & 1) << 4;
+        out[e] = q51 ? rounded(d * static_cast<float>(q)) + m : d * static_cast<float>(q - 16);
       }
       break;
     }

@@ -2,13 +2,13 @@
 // uint8, what a GGUF file stores), for fp checkpoints served with --quantization; ops.py's
 // quantize_weight then packs them with quant_pack.
 //
-// q8_0, q4_0 and q4_1 are ggml's reference quantizers (quantize_row_*_ref), byte for byte
+// q8_0, q4_0, q4_1, q5_0 and q5_1 are ggml's reference quantizers (quantize_row_*_ref), byte for byte
 // gguf.quants.quantize's. gguf-py has no K-type quantizer, and ggml's searches over ~20
 // candidate scales per sub-block (make_qkx2_quants, make_qx_quants); the K types here take a
 // min/max start and two least-squares refits of scale and min for the quants it picks (q6_k:
 // the largest |x| at -32, as q4_0), then quantize the sub-block scales to 6 bits (int8 for q6_k)
 // as ggml does. RMS error on N(0, 1) weights, as a share of their RMS: q4_k 0.074, q5_k 0.037,
-// q6_k 0.019 (q4_0 0.086, q4_1 0.078, q8_0 0.0053 with ggml's own).
+// q6_k 0.019 (q4_0 0.086, q4_1 0.078, q5_0 0.043, q5_1 0.038, q8_0 0.0053 with ggml's own).
 
 #include "cpu_ops.h"
 #include "quant_format.h"
@@ -76,6 +76,46 @@ void q4_1(const float* x, uint8_t* dst) {
     const int hi = std::min(15, static_cast<int>(static_cast<uint8_t>(rounded((x[16 + j] - min) * id) + 0.5f)));
     dst[4 + j] = static_cast<uint8_t>(lo | hi << 4);
   }
+}
+
+// The fifth bits of q[0..31] as ggml's qh: bit j of the little-endian uint32 is q[j]'s.
+void put_qh(const int* q, uint8_t* dst) {
+  for (int b = 0; b < 4; ++b) {
+    uint8_t v = 0;
+    for (int j = 0; j < 8; ++j) v = static_cast<uint8_t>(v | ((q[8 * b + j] >> 4) & 1) << j);
+    dst[b] = v;
+  }
+}
+
+void q5_0(const float* x, uint8_t* dst) {
+  float amax = 0.f, max = 0.f;
+  for (int j = 0; j < 32; ++j) {
+    if (std::fabs(x[j]) > amax) {
+      amax = std::fabs(x[j]);
+      max = x[j];
+    }
+  }
+  const float d = max / -16.f, id = d != 0.f ? 1.f / d : 0.f;
+  put_half(dst, d);
+  int q[32];
+  for (int j = 0; j < 32; ++j) q[j] = std::min(31, static_cast<int>(rounded(x[j] * id) + 16.5f));
+  put_qh(q, dst + 2);
+  for (int j = 0; j < 16; ++j) dst[6 + j] = static_cast<uint8_t>((q[j] & 0xF) | (q[16 + j] & 0xF) << 4);
+}
+
+void q5_1(const float* x, uint8_t* dst) {
+  float min = x[0], max = x[0];
+  for (int j = 1; j < 32; ++j) {
+    min = std::min(min, x[j]);
+    max = std::max(max, x[j]);
+  }
+  const float d = (max - min) / 31.f, id = d != 0.f ? 1.f / d : 0.f;
+  put_half(dst, d);
+  put_half(dst + 2, min);
+  int q[32];
+  for (int j = 0; j < 32; ++j) q[j] = std::min(31, static_cast<int>(rounded((x[j] - min) * id) + 0.5f));
+  put_qh(q, dst + 4);
+  for (int j = 0; j < 16; ++j) dst[8 + j] = static_cast<uint8_t>((q[j] & 0xF) | (q[16 + j] & 0xF) << 4);
 }
 
 // x ~ scale q - min over n values, q in [0, nmax], min >= 0 (ggml's K-type convention: the
@@ -221,6 +261,8 @@ at::Tensor quant_quantize(const at::Tensor& weight, int64_t type) {
         case kQ8_0: q8_0(x, y); break;
         case kQ4_0: q4_0(x, y); break;
         case kQ4_1: q4_1(x, y); break;
+        case kQ5_0: q5_0(x, y); break;
+        case kQ5_1: q5_1(x, y); break;
         case kQ4_K: q45_k(x, y, 15); break;
         case kQ5_K: q45_k(x, y, 31); break;
         case kQ6_K: q6_k(x, y); break;

@@ -106,27 +106,36 @@ struct Tiles {
     }
   }
 
-  // q4_0 (kMin false: q - 8) and q4_1 (kMin true: d q + m, the mins at byte 32).
-  template <bool kMin>
-  static void q4_legacy(const uint8_t* w, int64_t blocks, const ActTile& t, int lane, F* acc) {
-    constexpr int kBytes = kMin ? 320 : 288, kQs = kMin ? 64 : 32;
+  // q4_0 (kMin false: q - 8) and q4_1 (kMin true: d q + m, the mins at byte 32); q5_0 / q5_1
+  // (kQh true: the fifth bits before the nibbles; q5_0's offset is 16).
+  template <bool kMin, bool kQh>
+  static void q_legacy(const uint8_t* w, int64_t blocks, const ActTile& t, int lane, F* acc) {
+    constexpr int kQh0 = kMin ? 64 : 32, kQs = kQh0 + (kQh ? 64 : 0), kBytes = kQs + 256;
+    constexpr int kOffset = kQh ? 16 : 8;
     const int8_t* x = t.q;
     for (int64_t b = 0; b < blocks; ++b, w += kBytes, x += 32 * MR) {
       prefetch_ahead<kBytes, 16, true>(w);
       const F dw = V::f16(reinterpret_cast<const uint16_t*>(w) + lane);
       I part[MR][kSplit], sum[MR];
       PS_UNROLL for (int m = 0; m < MR; ++m) {
-        part[m][0] = kMin ? V::zero() : V::set1(-8 * t.s[b * MR + m]);
+        part[m][0] = kMin ? V::zero() : V::set1(-kOffset * t.s[b * MR + m]);
         PS_UNROLL for (int j = 1; j < kSplit; ++j) part[m][j] = V::zero();
       }
-      PS_UNROLL for (int i = 0; i < 4; ++i) {
+      I h = V::zero();
+      if constexpr (kQh) h = V::load(w + kQh0 + 4 * lane);
+      static_for(std::make_integer_sequence<int, 4>{}, [&](auto group) {
+        constexpr int i = decltype(group)::value;
         const I raw = V::load(w + kQs + 64 * i + 4 * lane);
-        const I lo = V::lo4(raw), hi = V::hi4(raw);
+        I lo = V::lo4(raw), hi = V::hi4(raw);
+        if constexpr (kQh) {
+          lo = V::or_(lo, V::template bits<i - 4>(h, 0x10));
+          hi = V::or_(hi, V::template bits<i>(h, 0x10));
+        }
         PS_UNROLL for (int m = 0; m < MR; ++m) {
           I& p = part[m][i % kSplit];
           p = V::dot4x2(p, lo, x + 4 * (i * MR + m), hi, x + 4 * ((4 + i) * MR + m));
         }
-      }
+      });
       PS_UNROLL for (int m = 0; m < MR; ++m) sum[m] = reduce(part[m]);
       if constexpr (kMin) {
         const F mw = V::f16(reinterpret_cast<const uint16_t*>(w + 32) + lane);
@@ -263,8 +272,10 @@ struct Tiles {
     PS_UNROLL for (int m = 0; m < MR; ++m) acc[m] = V::zerof();
     switch (type) {
       case kQ8_0: q8_0(w, blocks, t, lane, acc); break;
-      case kQ4_0: q4_legacy<false>(w, blocks, t, lane, acc); break;
-      case kQ4_1: q4_legacy<true>(w, blocks, t, lane, acc); break;
+      case kQ4_0: q_legacy<false, false>(w, blocks, t, lane, acc); break;
+      case kQ4_1: q_legacy<true, false>(w, blocks, t, lane, acc); break;
+      case kQ5_0: q_legacy<false, true>(w, blocks, t, lane, acc); break;
+      case kQ5_1: q_legacy<true, true>(w, blocks, t, lane, acc); break;
       case kQ4_K: q45_k<false>(w, blocks, t, lane, acc); break;
       case kQ5_K: q45_k<true>(w, blocks, t, lane, acc); break;
       case kQ6_K: q6_k(w, blocks, t, lane, acc); break;

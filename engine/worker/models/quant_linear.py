@@ -1,5 +1,5 @@
-"""Layers over weights kept quantized, as GGUF stores them (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K):
-`QuantLinear` (a linear layer), `QuantEmbedding` (the token table) and `QuantLMHead` (logits,
+"""Layers over weights kept quantized, as GGUF stores them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K): `QuantLinear` (a linear layer), `QuantEmbedding` (the token table) and `QuantLMHead` (logits,
 over the token table when tied). Each holds one packed uint8 tensor (`qweight`, a buffer: it is
 never trained, and `model.to(dtype)` leaves it alone) and calls the quantized kernels
 (engine/worker/models/quant_ops.py); there is no dense `weight`, so the dense linear-kernel machinery
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from engine.worker.models.quant_ops import qops, row_bytes
 
 # what --quantization may ask an fp checkpoint's linear layers to become
-QUANTIZE_TYPES = ("q8_0", "q4_0", "q4_k")
+QUANTIZE_TYPES = ("q8_0", "q5_1", "q5_0", "q4_0", "q4_k")
 
 
 class QuantLinear(nn.Module):

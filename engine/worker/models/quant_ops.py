@@ -13,8 +13,8 @@ from __future__ import annotations
 from cuda_ext import ops as qops  # noqa: F401 (the layers' kernels)
 
 # (values per block, bytes per block) of the types the kernels keep as stored
-BLOCK = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q5_k": (256, 176),
-         "q6_k": (256, 210)}
+BLOCK = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
+         "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
 
 
 def row_bytes(qtype: str, k: int) -> int:
