@@ -1,6 +1,7 @@
 """The larger models of the llama.cpp comparison, made here: a Llama with SmolLM2-1.7B's shapes
-(hidden 2048, 24 layers, 32 heads, MLP 8192, tied embeddings), or with `--size 8b` Llama-3-8B's
-(hidden 4096, 32 layers, 32 query and 8 key/value heads, MLP 14336, untied embeddings), each with the
+(hidden 2048, 24 layers, 32 heads, MLP 8192, tied embeddings), with `--size 8b` Llama-3-8B's
+(hidden 4096, 32 layers, 32 query and 8 key/value heads, MLP 14336, untied embeddings), or with
+`--size 360m` SmolLM2-360M's (hidden 960, 32 layers, 15 / 5 heads, MLP 2560, tied), each with the
 default model's vocabulary and tokenizer and random weights (nothing is downloaded), as
 
   - an HF directory with bf16 safetensors (what `paged-serve DIR --quantization q4_k` or vLLM load),
@@ -26,6 +27,11 @@ from pathlib import Path
 from benchmarks import llama_cpp_build
 
 SHAPES = {
+    # NOTE: 960-wide rows are not whole 256-value K-quant blocks: llama-quantize's Q4_K_M falls back
+    # to Q5_0 (for Q4_K) and Q8_0 (for Q6_K) on every tensor but ffn_down, as in the real SmolLM2-360M's
+    "360m": {"hidden_size": 960, "num_hidden_layers": 32, "num_attention_heads": 15, "num_key_value_heads": 5,
+             "intermediate_size": 2560, "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+             "tie_word_embeddings": True},
     "1.7b": {"hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 32,
              "intermediate_size": 8192, "max_position_embeddings": 8192, "rope_theta": 130000.0, "rms_norm_eps": 1e-5,
              "tie_word_embeddings": True},
@@ -107,7 +113,7 @@ def main() -> None:
     llama_cpp_build.ensure_llama_server()  # the sdist (and its build tree) the tools come from
     bf16 = convert(make_hf_dir(args.out, args.size), args.out, args.size)
     quantized = quantize(bf16, args.out, args.size)
-    if args.size != "1.7b" and not args.keep_bf16_gguf:
+    if args.size == "8b" and not args.keep_bf16_gguf:
         bf16.unlink()  # NOTE: 15 GB at 8b that nothing reads again; the HF copy stays for --quantization runs
     print(quantized)
 

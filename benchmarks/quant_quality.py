@@ -3,7 +3,7 @@ llama.cpp's own measure of the same file.
 
 From the default model's Q4_1 GGUF, llama-quantize (built from the llama-cpp-python sdist, as
 benchmarks/llama_cpp_build.py builds llama-server) writes the same weights as F32 (the file
-dequantized) and, from that F32 file, Q4_0, Q8_0, Q4_K_M, Q5_K_M and Q6_K. For each quantized
+dequantized) and, from that F32 file, Q4_0, Q5_0, Q5_1, Q8_0, Q4_K_M, Q5_K_M and Q6_K. For each quantized
 file, against the F32 file, over a fixed English text of ~1,060 tokens (tests/engine/prompts.py):
 
   - ours: the file served as stored (`quantization="auto"`, this CPU's activation dtype) against
@@ -31,7 +31,7 @@ import torch
 
 from benchmarks import llama_cpp_build
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K"]
 
 
 def prompt_logits(llm, ids: list[int]) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """quant_matmul micro-benchmark: products over GGUF blocks kept as stored, against fp32 and the
 libraries torch ships, on the linear layers of SmolLM2-135M (the default model: Q4_1, its Q8_0
-embedding as the tied LM head) and SmolLM2-1.7B (Q4_K_M: q4_k, q6_k).
+embedding as the tied LM head), SmolLM2-1.7B (Q4_K_M: q4_k, q6_k) and SmolLM2-360M (its Q4_K_M file
+holds q5_0 where 960-wide rows are not whole K-quant blocks; q5_1 in a Q5_K_M file).
 
 Decode (M = 1, --decode): weight bytes read per second, as a share of a plain `sum()` over 512
 MiB measured in the same rounds (the machine's read rate right then; a shared VM moves 20%
@@ -61,6 +62,9 @@ SHAPES = [
     Shape("1.7B gate|up", 16384, 2048, "q4_k"), Shape("1.7B down", 2048, 8192, "q6_k"),
     Shape("1.7B down (q4_k)", 2048, 8192, "q4_k"), Shape("1.7B qkv (q8_0)", 6144, 2048, "q8_0"),
     Shape("1.7B qkv (q4_0)", 6144, 2048, "q4_0"),
+    Shape("360M gate|up", 5120, 960, "q5_0"), Shape("360M qkv", 1600, 960, "q5_0"),
+    Shape("360M gate|up (q5_1)", 5120, 960, "q5_1"), Shape("360M gate|up (q8_0)", 5120, 960, "q8_0"),
+    Shape("1.7B qkv (q5_0)", 6144, 2048, "q5_0"),
 ]
 
 
@@ -86,7 +90,8 @@ def _data_bytes(qtype: str, rows: int, k: int) -> int:
     from cuda_ext.reference import quant_block
 
     block, _ = quant_block(qtype)
-    panel = {"q8_0": 544, "q4_0": 288, "q4_1": 320, "q4_k": 2368, "q5_k": 2880, "q6_k": 3360}[qtype]
+    panel = {"q8_0": 544, "q4_0": 288, "q4_1": 320, "q5_0": 352, "q5_1": 384, "q4_k": 2368, "q5_k": 2880,
+             "q6_k": 3360}[qtype]
     return -(-rows // 16) * (k // block) * panel
 
 
