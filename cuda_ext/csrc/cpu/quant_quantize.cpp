@@ -45,7 +45,8 @@ void q8_0(const float* x, uint8_t* dst) {
   for (int j = 0; j < 32; ++j) dst[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::round(x[j] * id)));
 }
 
-void q4_0(const float* x, uint8_t* dst) {
+// The value of largest magnitude in x[0..31] (the first of equals): the symmetric types' scale source.
+float signed_amax(const float* x) {
   float amax = 0.f, max = 0.f;
   for (int j = 0; j < 32; ++j) {
     if (std::fabs(x[j]) > amax) {
@@ -53,28 +54,15 @@ void q4_0(const float* x, uint8_t* dst) {
       max = x[j];
     }
   }
-  const float d = max / -8.f, id = d != 0.f ? 1.f / d : 0.f;
-  put_half(dst, d);
-  for (int j = 0; j < 16; ++j) {
-    const int lo = std::min(15, static_cast<int>(static_cast<int8_t>(rounded(x[j] * id) + 8.5f)));
-    const int hi = std::min(15, static_cast<int>(static_cast<int8_t>(rounded(x[16 + j] * id) + 8.5f)));
-    dst[2 + j] = static_cast<uint8_t>(lo | hi << 4);
-  }
+  return max;
 }
 
-void q4_1(const float* x, uint8_t* dst) {
-  float min = x[0], max = x[0];
+// The least and greatest of x[0..31]: the asymmetric types' range.
+void min_max(const float* x, float* min, float* max) {
+  *min = *max = x[0];
   for (int j = 1; j < 32; ++j) {
-    min = std::min(min, x[j]);
-    max = std::max(max, x[j]);
-  }
-  const float d = (max - min) / 15.f, id = d != 0.f ? 1.f / d : 0.f;
-  put_half(dst, d);
-  put_half(dst + 2, min);
-  for (int j = 0; j < 16; ++j) {
-    const int lo = std::min(15, static_cast<int>(static_cast<uint8_t>(rounded((x[j] - min) * id) + 0.5f)));
-    const int hi = std::min(15, static_cast<int>(static_cast<uint8_t>(rounded((x[16 + j] - min) * id) + 0.5f)));
-    dst[4 + j] = static_cast<uint8_t>(lo | hi << 4);
+    *min = std::min(*min, x[j]);
+    *max = std::max(*max, x[j]);
   }
 }
 
@@ -87,35 +75,40 @@ void put_qh(const int* q, uint8_t* dst) {
   }
 }
 
-void q5_0(const float* x, uint8_t* dst) {
-  float amax = 0.f, max = 0.f;
-  for (int j = 0; j < 32; ++j) {
-    if (std::fabs(x[j]) > amax) {
-      amax = std::fabs(x[j]);
-      max = x[j];
-    }
+// q[0..31] after the block's scales (and q5's fifth bits): element j's low 4 bits in byte j's
+// low nibble, element 16 + j's in its high nibble.
+template <int kBits>
+void put_quants(const int* q, uint8_t* dst) {
+  if constexpr (kBits == 5) {
+    put_qh(q, dst);
+    dst += 4;
   }
-  const float d = max / -16.f, id = d != 0.f ? 1.f / d : 0.f;
-  put_half(dst, d);
-  int q[32];
-  for (int j = 0; j < 32; ++j) q[j] = std::min(31, static_cast<int>(rounded(x[j] * id) + 16.5f));
-  put_qh(q, dst + 2);
-  for (int j = 0; j < 16; ++j) dst[6 + j] = static_cast<uint8_t>((q[j] & 0xF) | (q[16 + j] & 0xF) << 4);
+  for (int j = 0; j < 16; ++j) dst[j] = static_cast<uint8_t>((q[j] & 0xF) | (q[16 + j] & 0xF) << 4);
 }
 
-void q5_1(const float* x, uint8_t* dst) {
-  float min = x[0], max = x[0];
-  for (int j = 1; j < 32; ++j) {
-    min = std::min(min, x[j]);
-    max = std::max(max, x[j]);
-  }
-  const float d = (max - min) / 31.f, id = d != 0.f ? 1.f / d : 0.f;
+// q4_0 / q5_0: d (q - 2^(bits-1)), d from the value of largest magnitude.
+template <int kBits>
+void q_0(const float* x, uint8_t* dst) {
+  constexpr int kOffset = 1 << (kBits - 1), kMax = (1 << kBits) - 1;
+  const float d = signed_amax(x) / -static_cast<float>(kOffset), id = d != 0.f ? 1.f / d : 0.f;
+  put_half(dst, d);
+  int q[32];
+  for (int j = 0; j < 32; ++j) q[j] = std::min(kMax, static_cast<int>(rounded(x[j] * id) + (kOffset + 0.5f)));
+  put_quants<kBits>(q, dst + 2);
+}
+
+// q4_1 / q5_1: d q + m over the block's range.
+template <int kBits>
+void q_1(const float* x, uint8_t* dst) {
+  constexpr int kMax = (1 << kBits) - 1;
+  float min, max;
+  min_max(x, &min, &max);
+  const float d = (max - min) / static_cast<float>(kMax), id = d != 0.f ? 1.f / d : 0.f;
   put_half(dst, d);
   put_half(dst + 2, min);
   int q[32];
-  for (int j = 0; j < 32; ++j) q[j] = std::min(31, static_cast<int>(rounded((x[j] - min) * id) + 0.5f));
-  put_qh(q, dst + 4);
-  for (int j = 0; j < 16; ++j) dst[8 + j] = static_cast<uint8_t>((q[j] & 0xF) | (q[16 + j] & 0xF) << 4);
+  for (int j = 0; j < 32; ++j) q[j] = std::min(kMax, static_cast<int>(rounded((x[j] - min) * id) + 0.5f));
+  put_quants<kBits>(q, dst + 4);
 }
 
 // x ~ scale q - min over n values, q in [0, nmax], min >= 0 (ggml's K-type convention: the
@@ -259,10 +252,10 @@ at::Tensor quant_quantize(const at::Tensor& weight, int64_t type) {
       uint8_t* y = dst + i * t.ggml_bytes;
       switch (t.type) {
         case kQ8_0: q8_0(x, y); break;
-        case kQ4_0: q4_0(x, y); break;
-        case kQ4_1: q4_1(x, y); break;
-        case kQ5_0: q5_0(x, y); break;
-        case kQ5_1: q5_1(x, y); break;
+        case kQ4_0: q_0<4>(x, y); break;
+        case kQ4_1: q_1<4>(x, y); break;
+        case kQ5_0: q_0<5>(x, y); break;
+        case kQ5_1: q_1<5>(x, y); break;
         case kQ4_K: q45_k(x, y, 15); break;
         case kQ5_K: q45_k(x, y, 31); break;
         case kQ6_K: q6_k(x, y); break;
