@@ -21,18 +21,23 @@ from engine.worker.models.quant_linear import QuantLinear
 from engine.worker.models.quant_ops import BLOCK, qops
 
 logger = logging.getLogger(__name__)
-FALLBACK_TYPE = "q8_0"
+# NOTE: llama-quantize's per-tensor fallbacks (Q4_K -> Q5_0), so that a q4_k model's bytes and
+# rounding match its Q4_K_M file's where rows are not whole 256-value blocks (576, 896, 960 wide)
+FALLBACK_TYPES = {"q4_k": "q5_0"}
+
+
+def fallback_type(qtype: str) -> str:
+    return FALLBACK_TYPES.get(qtype, "q8_0")
 
 
 def quantize_to(w: torch.Tensor, qtype: str, fallbacks: Counter) -> torch.Tensor:
     """`w` [N, K] quantized to `qtype` and packed; where K is not whole blocks of that type (a
-    K-quant's 256 values: the 135M default's 576-wide rows), to FALLBACK_TYPE instead, counted
-    in `fallbacks` by K. NOTE: as llama-quantize falls back per tensor (it takes Q5_0 for Q4_K,
-    which we do not pack; q8_0 keeps the quality and costs bytes)."""
+    K-quant's 256 values: the 135M default's 576-wide rows), to `fallback_type(qtype)` instead,
+    counted in `fallbacks` by K."""
     k = w.shape[-1]
     if k % BLOCK[qtype][0]:
         fallbacks[k] += 1
-        qtype = FALLBACK_TYPE
+        qtype = fallback_type(qtype)
     return qops.quantize_weight(w, qtype)
 
 
@@ -40,7 +45,7 @@ def log_fallbacks(qtype: str, fallbacks: Counter) -> None:
     if fallbacks:
         logger.info("%s needs rows of whole %d-value blocks: %d linear layers (rows of %s values) quantized to "
                     "%s instead", qtype, BLOCK[qtype][0], sum(fallbacks.values()),
-                    ", ".join(str(k) for k in sorted(fallbacks)), FALLBACK_TYPE)
+                    ", ".join(str(k) for k in sorted(fallbacks)), fallback_type(qtype))
 
 
 def quantize_linear_layers(model: nn.Module, qtype: str) -> int:
