@@ -152,9 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "at start-up (logged), else float32 (HF fp32 equality)")
     eng.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                      help="weights kept quantized on a CPU: auto serves a GGUF's Q4_0 / Q4_1 / Q5_0 / Q5_1 / "
-                          "Q8_0 / Q4_K / Q5_K / Q6_K tensors as stored (other types dequantized; an fp checkpoint stays dense), "
-                          "none dequantizes everything (a GGUF once, into a cache), q8_0 / q5_1 / q5_0 / q4_0 / q4_k quantize "
-                          "the other linear layers to that type at load")
+                          "Q8_0 / Q4_K / Q5_K / Q6_K tensors as stored (other types dequantized; an fp "
+                          "checkpoint stays dense), none dequantizes everything (a GGUF once, into a cache), "
+                          "q8_0 / q5_1 / q5_0 / q4_0 / q4_k quantize the other linear layers to that type at load")
     eng.add_argument("--linear-kernel", default="auto", choices=list(LINEAR_KERNELS),
                      help="CPU matmul kernel of the linear layers: torch's F.linear (MKL), oneDNN over "
                           "prepacked weights, panels (our AVX2 kernel over weights packed in 16-column panels), "

@@ -63,7 +63,7 @@ def gguf_reference(raw: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[qtype.upper()]))
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("qtype", qops.QUANT_TYPES)
 def test_packed_weights_dequantize_as_gguf_py_and_multiply(qtype):
     k = 512
     raw = random_blocks(qtype, 48, k, seed=len(qtype) + ord(qtype[1]))

@@ -2,8 +2,8 @@
 // uint8, what a GGUF file stores), for fp checkpoints served with --quantization; ops.py's
 // quantize_weight then packs them with quant_pack.
 //
-// q8_0, q4_0, q4_1, q5_0 and q5_1 are ggml's reference quantizers (quantize_row_*_ref), byte for byte
-// gguf.quants.quantize's. gguf-py has no K-type quantizer, and ggml's searches over ~20
+// q8_0, q4_0, q4_1, q5_0 and q5_1 are ggml's reference quantizers (quantize_row_*_ref), byte for
+// byte gguf.quants.quantize's. gguf-py has no K-type quantizer, and ggml's searches over ~20
 // candidate scales per sub-block (make_qkx2_quants, make_qx_quants); the K types here take a
 // min/max start and two least-squares refits of scale and min for the quants it picks (q6_k:
 // the largest |x| at -32, as q4_0), then quantize the sub-block scales to 6 bits (int8 for q6_k)

@@ -47,8 +47,8 @@ struct ActTile {
 // NOTE: the K types' panels into L2 (T1), not L1 (T0): on a Zen 4 EPYC a T0 burst of a panel's
 // ~40-50 lines stalled the kernel: two threads from DRAM, q4_k 20-24 -> 37-41 GB/s, q6_k 13-15
 // -> 31-38 (sum() 43-48 in the same rounds); the 1.7B Q4_K_M model 60-64 -> 39-44 ms a token.
-// q4_0 / q4_1 (sixteen small blocks ahead) measured the same either way and keep T0. (The Zen 5
-// figures above are T0's; not remeasured there.)
+// q4_0 / q4_1 (sixteen small blocks ahead) measured the same either way and keep T0, as do
+// q5_0 / q5_1, which share their kernel. (The Zen 5 figures above are T0's; not remeasured there.)
 template <int kBytes, int kAhead, bool kToL1 = false>
 inline void prefetch_ahead(const uint8_t* p) {
 #if defined(__SSE__)

@@ -3,9 +3,9 @@
 
 The model is built on the ``meta`` device (no memory), then each linear layer whose GGUF tensors
 are all of a type the quantized kernels take (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
-becomes a `QuantLinear` over those tensors' blocks, copied once into the kernels' packing (merged q/k/v and
-gate/up as row segments, each of its own type); the token table likewise (`QuantEmbedding`, and
-a tied LM head multiplies the same packed tensor). Only what is left (norms, layers of other
+becomes a `QuantLinear` over those tensors' blocks, copied once into the kernels' packing (merged
+q/k/v and gate/up as row segments, each of its own type); the token table likewise
+(`QuantEmbedding`, and a tied LM head multiplies the same packed tensor). Only what is left (norms, layers of other
 types) is allocated, in the model's dtype, and filled with dequantized values
 (`gguf.quants.dequantize`). Each tensor's pages of the file are dropped from memory once copied,
 so loading holds the packed weights and one tensor of the file at a time.

@@ -1,7 +1,7 @@
 """Layers over weights kept quantized, as GGUF stores them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
-Q5_K, Q6_K): `QuantLinear` (a linear layer), `QuantEmbedding` (the token table) and `QuantLMHead` (logits,
-over the token table when tied). Each holds one packed uint8 tensor (`qweight`, a buffer: it is
-never trained, and `model.to(dtype)` leaves it alone) and calls the quantized kernels
+Q5_K, Q6_K): `QuantLinear` (a linear layer), `QuantEmbedding` (the token table) and `QuantLMHead`
+(logits, over the token table when tied). Each holds one packed uint8 tensor (`qweight`, a
+buffer: it is never trained, and `model.to(dtype)` leaves it alone) and calls the quantized kernels
 (engine/worker/models/quant_ops.py); there is no dense `weight`, so the dense linear-kernel machinery
 (engine/worker/models/linear_kernel.py) passes these layers by.
 
